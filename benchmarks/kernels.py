@@ -8,15 +8,17 @@ One thread (as each Horovod worker here), fp32 gradient ``g`` and residue memory
 
 * floor: ``m.add_(g, alpha=beta)``, one pass reading g and m and writing m (12 bytes per entry),
   the least any error-feedback scheme must do;
-* leader: ``p = m + g``, top-k indices of ``|p|``, ``v = p[I]``, the low-pass memory update, and the
-  averaged values scattered into a dense zero tensor (``clt_k`` as the compressor calls it);
+* leader: ``p = m + g`` (reused scratch buffer), top-k indices of ``|p|``, ``v = p[I]``, the
+  finiteness check, the low-pass memory update, and the values written over zeros into the
+  gradient's storage (``clt_k`` as the compressor calls it);
 * non-leader: the same without ``p`` and the selection.
 
 Each variant runs once per round, in turn, on the same inputs (restored before every call, untimed);
 a ratio is taken to the floor of the same round, and the table gives medians over rounds. Fresh
 dense tensors of 100 MB page-fault on every allocation with glibc's default malloc, so every size is
 also measured in a child process started with ``THP_MEM_ALLOC_ENABLE=1`` (PyTorch's CPU allocator
-then uses transparent huge pages) and in variants that allocate nothing dense.
+then uses transparent huge pages), and the variants that allocate (as the compressor once did)
+are kept for comparison.
 """
 
 import argparse
@@ -80,7 +82,18 @@ def measure(numel, ratio, rounds, with_exact=True):
     previous_overlap = torch.isin(previous_threshold(p0, k), exact).sum().item() / k
     indices = fast.clone()
 
-    def leader(selection, into=False):
+    def finish(chosen, into):
+        """What every rank does after the selection, as ``ScaleCom.compress``/``decompress`` call it:
+        k-sized gathers, the finiteness check over g, the memory update, the scatter."""
+        chosen = chosen.to(torch.int64)
+        memory_at, values = clt_k.take(m, g, chosen)
+        finite = torch.isfinite(torch.sum(g, dtype=torch.float32))
+        clt_k.filter_memory_(m, g, chosen, memory_at, values, values, BETA)
+        if into:
+            return clt_k.scatter_dense_(g, values, chosen), finite
+        return clt_k.scatter_dense(values, chosen, numel, g.dtype), finite
+
+    def leader(selection, into=True):
         def run():
             if into:
                 p = clt_k.error_compensated_into(scratch, m, g)
@@ -89,27 +102,21 @@ def measure(numel, ratio, rounds, with_exact=True):
             chosen = previous_threshold(p, k) if selection == "previous" else \
                 clt_k.select_top_k(p, k, selection)
             del p
-            values = clt_k.take_and_filter_memory_(m, g, chosen, BETA)
-            if into:
-                return clt_k.scatter_dense_(g, values, chosen)
-            return clt_k.scatter_dense(values, chosen, numel, g.dtype)
+            return finish(chosen, into)
         return run
 
-    def non_leader(into=False):
+    def non_leader(into=True):
         def run():
-            values = clt_k.take_and_filter_memory_(m, g, indices, BETA)
-            if into:
-                return clt_k.scatter_dense_(g, values, indices)
-            return clt_k.scatter_dense(values, indices, numel, g.dtype)
+            return finish(indices, into)
         return run
 
     variants = {
         "floor": lambda: m.add_(g, alpha=BETA),
         "leader": leader("threshold"),
-        "leader, no fresh dense tensor": leader("threshold", into=True),
+        "leader, fresh dense tensors": leader("threshold", into=False),
         "leader, previous threshold": leader("previous"),
         "non-leader": non_leader(),
-        "non-leader, no fresh dense tensor": non_leader(into=True),
+        "non-leader, fresh dense tensors": non_leader(into=False),
         "selection (threshold)": lambda: clt_k.select_top_k(p0, k, "threshold"),
         "selection (previous threshold)": lambda: previous_threshold(p0, k),
     }
@@ -177,29 +184,31 @@ def markdown(rows, command, load):
         f"Made by `{command}`: one thread, fp32 gradient and memory, beta 0.1, gradient-like synthetic",
         "data (Gaussian entries, log-normal scale per 256-entry block). The floor is `m.add_(g)` (reads",
         "g and m, writes m); ratios are medians of per-round ratios to the floor measured in the same",
-        "round. *Leader*: `p = m + g`, `threshold` top-k of `|p|`, values, memory update, scatter into a",
-        "dense zero tensor; *non-leader*: the same without `p` and the selection. *No fresh dense",
-        "tensor*: `p` in a reused scratch buffer (`clt_k.error_compensated_into`) and the result written",
-        "into the gradient's own storage (`clt_k.scatter_dense_`), so nothing of the tensor's size is",
-        "allocated. Each cell: the median ratio (the best round's time over the best floor).",
+        "round. *Leader* and *non-leader* are what `ScaleCom.compress` + `decompress` do for one tensor",
+        "(`p = m + g` into a reused scratch buffer, `threshold` top-k of `|p|` on the leader; then on",
+        "every rank the k-sized gathers `clt_k.take`, the finiteness check (a sum over g), the memory",
+        "update `clt_k.filter_memory_`, and the reduced values written over zeros into the gradient's",
+        "own storage with `clt_k.scatter_dense_`), without the communication. *Fresh dense tensors*: the",
+        "same with `p` and the dense result allocated at every call, as the compressor did before.",
+        "Each cell: the median ratio (the best round's time over the best floor).",
         "*C prototype*: `benchmarks/_native.py`, the same steps as single streaming passes",
-        "in C (not part of the package; see its docstring), no fresh dense tensor either. Overlap: share",
+        "in C (not part of the package; see its docstring), without the finiteness check. Overlap: share",
         "of the exact top-k (`torch.topk` of `|p|`) that the `threshold` selection finds.",
         f"Load average of this 2-core machine (other jobs ran too): {load[0]:.1f} at the start, "
         f"{load[1]:.1f} at the end.",
         "",
-        "| entries | ratio | allocator | floor | floor GB/s | leader | leader, no fresh dense | "
+        "| entries | ratio | allocator | floor | floor GB/s | leader | leader, fresh dense tensors | "
         "leader, previous threshold | leader, exact top-k | leader, C prototype | non-leader | "
-        "non-leader, no fresh dense | non-leader, C prototype | overlap |",
+        "non-leader, fresh dense tensors | non-leader, C prototype | overlap |",
         "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['numel']:,} | {r['ratio']:g} | {r['environment']} | {r['floor_ms']:.2f} ms | "
-            f"{r['floor_gbps']:.1f} | {fmt(r, 'leader')} | {fmt(r, 'leader, no fresh dense tensor')} | "
+            f"{r['floor_gbps']:.1f} | {fmt(r, 'leader')} | {fmt(r, 'leader, fresh dense tensors')} | "
             f"{fmt(r, 'leader, previous threshold')} | {fmt(r, 'leader, exact selection')} | "
             f"{fmt(r, 'leader, C prototype')} | {fmt(r, 'non-leader')} | "
-            f"{fmt(r, 'non-leader, no fresh dense tensor')} | {fmt(r, 'non-leader, C prototype')} | "
+            f"{fmt(r, 'non-leader, fresh dense tensors')} | {fmt(r, 'non-leader, C prototype')} | "
             f"{r['overlap']:.4f} |")
     lines += [
         "",
@@ -248,9 +257,9 @@ def main(argv=None):
         for r in run_environment(env_name, args):
             rows.append(r)
             print(f"{r['numel']:>11,} ratio {r['ratio']:<6g} {env_name:24s} floor {r['floor_ms']:7.2f} ms "
-                  f"({r['floor_gbps']:5.1f} GB/s)  leader {r['x']['leader']:5.2f}x  no-fresh "
-                  f"{r['x']['leader, no fresh dense tensor']:5.2f}x  non-leader {r['x']['non-leader']:5.2f}x"
-                  f"  no-fresh {r['x']['non-leader, no fresh dense tensor']:5.2f}x"
+                  f"({r['floor_gbps']:5.1f} GB/s)  leader {r['x']['leader']:5.2f}x  fresh "
+                  f"{r['x']['leader, fresh dense tensors']:5.2f}x  non-leader {r['x']['non-leader']:5.2f}x"
+                  f"  fresh {r['x']['non-leader, fresh dense tensors']:5.2f}x"
                   f"  overlap {r['overlap']:.4f}",
                   flush=True)
     command = "python -m benchmarks.kernels" + (" --smoke" if args.smoke else "")

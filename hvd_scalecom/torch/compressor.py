@@ -4,10 +4,12 @@ Per parameter and step (see :mod:`hvd_scalecom.torch.clt_k` for the equations):
 
 1. ``compress(g)`` finds the parameter whose gradient ``g`` is, forms ``p = m + g`` on the leader,
    selects the top-k indices there and broadcasts them (``broadcast.scalecom.<name>``); every rank
-   returns ``p[I]`` (k values) and updates its residue memory through the low-pass filter.
+   returns ``p[I]`` (k values).
 2. Horovod allreduces those k values with the optimizer's own op (``Average``), pre/postscale and
    process set.
-3. ``decompress`` scatters the reduced values into zeros of the gradient's shape.
+3. ``decompress`` updates the residue memory (from ``m[I]`` and ``p[I]`` kept since ``compress``) and
+   then writes the reduced values, over zeros, into the gradient's own storage (nothing of the
+   tensor's size is allocated on the way; the leader's ``p`` lives in one reused scratch buffer).
 
 Deadlock freedom: Horovod calls ``compress`` from each parameter's gradient hook, in an order that
 can differ between ranks (dynamic graphs, parameters without a gradient that Horovod reduces later in
@@ -103,6 +105,7 @@ class ScaleCom(Compressor):
         self._value_dtype = _TORCH_DTYPES.get(self.config.value_dtype)
         self._posted_through = -1  # last step whose receiving broadcasts were posted
         self._agreed = False  # configurations compared across ranks (at the first compress)
+        self._scratch_buffers = {}  # (dtype, device) -> the leader's reused buffer for p = m + g
         self.traffic = TrafficMeter()
 
     # -- Horovod's Compressor interface -------------------------------------------------------------
@@ -138,7 +141,7 @@ class ScaleCom(Compressor):
         if slot.posted is not None and slot.posted[0] == t:
             indices = self._wait(slot, t, rank, size)  # posted ahead, or selected a step ago
         elif rank == leader:
-            p = clt_k.error_compensated(slot.memory, tensor)
+            p = clt_k.error_compensated_into(self._scratch(slot.memory), slot.memory, tensor)
             select_from = time.perf_counter()
             indices = clt_k.select_top_k(p, k, self.config.selection)
             del p
@@ -151,31 +154,35 @@ class ScaleCom(Compressor):
         if self.config.pipelined and self.config.is_compressed(numel, t + 1):
             self._select_ahead(slot, tensor, t + 1, rank, size)
         indices = indices.to(torch.int64)
-        g = tensor.reshape(-1)
-        values = (slot.memory[indices] + g[indices]).to(self._value_dtype or tensor.dtype)  # p_i[I]
+        memory_at_indices, exact_values = clt_k.take(slot.memory, tensor, indices)  # m_i[I], p_i[I]
+        values = exact_values.to(self._value_dtype or tensor.dtype)
         # A non-finite gradient anywhere on this rank makes the values it sends NaN, so that every
         # rank sees a non-finite reduction and skips this tensor's memory update (see decompress).
-        finite = torch.isfinite(torch.sum(g, dtype=torch.float32))
+        finite = torch.isfinite(torch.sum(tensor, dtype=torch.float32))
         values = torch.where(finite, values, torch.full_like(values, float("nan")))
         self.traffic.record(
             t, index_bytes=k * self.config.index_itemsize(numel), value_bytes=k * values.element_size(),
             uncompressed_bytes=dense_bytes, index_wait_seconds=waited,
             compress_seconds=time.perf_counter() - start - waited)
-        return values, (slot, t, indices, tensor)
+        return values, (slot, t, indices, tensor, memory_at_indices, exact_values)
 
     def decompress(self, tensor, ctx):
-        """Scatter the reduced values; then the low-pass memory update (deferred to here, where the
-        reduced values tell every rank alike whether the step is finite)."""
+        """The low-pass memory update (deferred to here, where the reduced values tell every rank
+        alike whether the step is finite), then the reduced values scattered into the gradient."""
         if ctx is None:
             return tensor
         start = time.perf_counter()
-        slot, t, indices, grad = ctx
-        out = clt_k.scatter_dense(tensor, indices, grad.numel(), grad.dtype).view(grad.shape)
+        slot, t, indices, grad, memory_at_indices, exact_values = ctx
         if bool(torch.isfinite(tensor).all()):
-            clt_k.take_and_filter_memory_(slot.memory, grad, indices, self.config.beta,
-                                          sent_dtype=self._value_dtype or grad.dtype)
+            sent = exact_values.to(self._value_dtype or grad.dtype)  # as this rank sent them
+            clt_k.filter_memory_(slot.memory, grad, indices, memory_at_indices, exact_values, sent,
+                                 self.config.beta)
         else:
             self.nonfinite_skips += 1
+        if grad.is_contiguous():
+            out = clt_k.scatter_dense_(grad, tensor, indices)  # the gradient's storage, now read
+        else:
+            out = clt_k.scatter_dense(tensor, indices, grad.numel(), grad.dtype).view(grad.shape)
         self.traffic.add_time(t, time.perf_counter() - start)
         return out
 
@@ -341,6 +348,16 @@ class ScaleCom(Compressor):
         buffer = self._index_buffer(slot)
         slot.posted = (t, self._broadcast_async(slot, buffer, leader), buffer)
 
+    def _scratch(self, memory):
+        """A flat buffer of ``memory``'s dtype and device for the leader's ``p = m + g``, reused from
+        tensor to tensor and step to step (grown to the largest memory it served)."""
+        key = (memory.dtype, memory.device)
+        buffer = self._scratch_buffers.get(key)
+        if buffer is None or buffer.numel() < memory.numel():
+            buffer = torch.empty(memory.numel(), dtype=memory.dtype, device=memory.device)
+            self._scratch_buffers[key] = buffer
+        return buffer
+
     def _rescale_memory(self, slot):
         """Keep the memory in the units of the current loss scale (gradients arrive scaled)."""
         if self._loss_scaler is None:
@@ -355,7 +372,7 @@ class ScaleCom(Compressor):
         every rank starts that broadcast without waiting for it."""
         leader = self.config.leader_rank(t, size, slot.index)
         if leader == rank:
-            p = clt_k.error_compensated(slot.memory, grad)
+            p = clt_k.error_compensated_into(self._scratch(slot.memory), slot.memory, grad)
             numel = p.numel()
             buffer = clt_k.select_top_k(p, self.config.num_selected(numel), self.config.selection)
             buffer = buffer.to(self._index_dtype(numel))
