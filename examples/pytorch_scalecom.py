@@ -9,6 +9,7 @@ per step against what dense SGD would have sent.
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -28,7 +29,7 @@ def parse_args(argv=None):
     ap.add_argument("--warmup-steps", type=int, default=0)
     ap.add_argument("--min-numel", type=int, default=1024)
     ap.add_argument("--leader", choices=["cyclic", "staggered"], default="cyclic")
-    ap.add_argument("--selection", choices=["exact", "threshold"], default="exact")
+    ap.add_argument("--selection", choices=["exact", "threshold"], default="threshold")
     ap.add_argument("--value-dtype", choices=["float32", "float16"], default=None)
     ap.add_argument("--index-dtype", choices=["int32", "int64"], default="int32")
     ap.add_argument("--pipelined", action="store_true", help="indices selected one step ahead")
@@ -40,7 +41,13 @@ def parse_args(argv=None):
     ap.add_argument("--result", help="rank 0 writes final figures here as JSON")
     ap.add_argument("--tensorboard", metavar="DIR", help="rank 0 logs loss, accuracy and stats() here")
     ap.add_argument("--progress", action="store_true", help="a progress bar per epoch (rank 0)")
-    return ap.parse_args(argv)
+    ap.add_argument("--checkpoint", metavar="DIR",
+                    help="save a checkpoint here after every epoch (each rank its own file)")
+    ap.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint")
+    args = ap.parse_args(argv)
+    if args.resume and not args.checkpoint:
+        ap.error("--resume needs --checkpoint DIR")
+    return args
 
 
 def digits_split():
@@ -97,8 +104,11 @@ def main(argv=None):
         from torch.utils.tensorboard import SummaryWriter
         writer = SummaryWriter(args.tensorboard)
     start = time.perf_counter()
-    global_step = 0
-    for epoch in range(args.epochs):
+    global_step, first_epoch = 0, 0
+    if args.resume:
+        first_epoch, global_step = load_checkpoint(args.checkpoint, rank, model, optimizer,
+                                                   compression, gen)
+    for epoch in range(first_epoch, args.epochs):
         model.train()
         order = torch.randperm(len(shard_x), generator=gen)
         total_loss = 0.0
@@ -126,6 +136,9 @@ def main(argv=None):
         if writer is not None:
             writer.add_scalar("train/loss", mean_loss, global_step)
             writer.add_scalar("test/accuracy", accuracy, global_step)
+        if args.checkpoint:
+            save_checkpoint(args.checkpoint, rank, epoch + 1, global_step, model, optimizer,
+                            compression, gen)
         if rank == 0:
             print(f"epoch {epoch + 1:3d}/{args.epochs}  loss {mean_loss:.4f}  test accuracy "
                   f"{100 * accuracy:6.2f}%  gradient bytes/step {sent:9,} vs dense {dense_bytes:,} "
@@ -141,6 +154,28 @@ def main(argv=None):
         if args.result:
             with open(args.result, "w") as f:
                 json.dump(result, f)
+
+
+def save_checkpoint(directory, rank, epoch, global_step, model, optimizer, compression, gen):
+    """What a resumable checkpoint holds, per rank: the model and optimizer (momentum) state, the
+    position in training and the data order, and ScaleCom's state (this rank's residue memory and
+    step counters: every rank's memory differs, so every rank writes its own file)."""
+    os.makedirs(directory, exist_ok=True)
+    state = {"epoch": epoch, "global_step": global_step, "model": model.state_dict(),
+             "optimizer": optimizer.state_dict(), "data_order": gen.get_state(),
+             "compression": compression.state_dict() if isinstance(compression, ScaleCom) else None}
+    torch.save(state, os.path.join(directory, f"rank{rank}.pt"))
+
+
+def load_checkpoint(directory, rank, model, optimizer, compression, gen):
+    """Restore what :func:`save_checkpoint` wrote for this rank; returns (epoch, global step)."""
+    state = torch.load(os.path.join(directory, f"rank{rank}.pt"), weights_only=False)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    gen.set_state(state["data_order"])
+    if isinstance(compression, ScaleCom):
+        compression.load_state_dict(state["compression"])
+    return state["epoch"], state["global_step"]
 
 
 def evaluate(model, x, y):
