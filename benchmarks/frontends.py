@@ -2,7 +2,8 @@
 reach the accuracy and traffic of ScaleCom on PyTorch, within the seed-to-seed noise? Writes
 ``docs/frontends.md``.
 
-    .venv/bin/python -m benchmarks.frontends                 # seeds 0-4, scalecom and dense, 2 workers
+    .venv/bin/python -m benchmarks.frontends                 # seeds 0-4, ScaleCom, 2 workers
+    .venv/bin/python -m benchmarks.frontends --dense         # and each dense, for comparison
     .venv/bin/python -m benchmarks.frontends --smoke         # one seed, 1 epoch, to a temporary file
 
 Each job is ``horovodrun -np 2`` of ``examples/pytorch_scalecom.py`` or
@@ -78,9 +79,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="one seed, 1 epoch, scalecom only")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    ap.add_argument("--dense", action="store_true", help="also run each example dense")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "frontends.md"))
     args = ap.parse_args(argv)
-    seeds, epochs, schemes = args.seeds, None, ("scalecom", "dense")
+    seeds, epochs = args.seeds, None
+    schemes = ("scalecom", "dense") if args.dense else ("scalecom",)
     if args.smoke:
         seeds, epochs, schemes = [0], 1, ("scalecom",)
     rows = []
@@ -94,7 +97,8 @@ def main(argv=None):
                 print(f"seed {seed} {framework:10s} {compression:8s} accuracy {100 * r['accuracy']:6.2f}%"
                       f"  {r['reduction']:5.1f}x fewer bytes  ({time.perf_counter() - start:.0f} s)",
                       flush=True)
-    command = "python -m benchmarks.frontends" + (" --smoke" if args.smoke else "")
+    command = "python -m benchmarks.frontends" + (" --smoke" if args.smoke else "") + \
+        (" --dense" if args.dense and not args.smoke else "")
     with open(args.out, "w") as f:
         f.write(markdown(rows, seeds, command))
     with open(os.path.splitext(args.out)[0] + ".json", "w") as f:

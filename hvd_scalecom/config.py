@@ -40,8 +40,9 @@ class ScaleComConfig:
     min_numel: tensors with fewer entries are always reduced densely.
     leader: ``"cyclic"`` (leader ``t mod n``, the paper's) or ``"staggered"``
         (``(t + tensor index) mod n``, spreading the top-k work over ranks).
-    selection: ``"exact"`` (a full top-k) or ``"threshold"`` (candidates above a sampled threshold,
-        then an exact top-k among them: the same indices, found faster on large tensors).
+    selection: ``"threshold"`` (default: candidates above a sampled threshold,
+        then an exact top-k among them) or ``"exact"`` (a full top-k): the same indices, the first
+        found several times faster on large tensors.
     value_dtype: dtype the selected values travel in (``None``: the gradient's own).
     index_dtype: dtype the indices travel in; ``"int32"`` widens to int64 for tensors of 2**31 or
         more entries.
@@ -55,7 +56,7 @@ class ScaleComConfig:
     warmup_steps: int = 0
     min_numel: int = 1024
     leader: str = "cyclic"
-    selection: str = "exact"
+    selection: str = "threshold"
     value_dtype: "str | None" = None
     index_dtype: str = "int32"
     pipelined: bool = False

@@ -86,7 +86,7 @@ class ScaleCom(_SharedIndices):
     name = "scalecom"
 
     def __init__(self, ratio=0.01, beta=0.1, warmup_steps=0, min_numel=1024, *, leader="cyclic",
-                 selection="exact", value_dtype=None, index_dtype="int32", pipelined=False):
+                 selection="threshold", value_dtype=None, index_dtype="int32", pipelined=False):
         super().__init__(ScaleComConfig(ratio=ratio, beta=beta, warmup_steps=warmup_steps,
                                         min_numel=min_numel, leader=leader, selection=selection,
                                         value_dtype=value_dtype, index_dtype=index_dtype,

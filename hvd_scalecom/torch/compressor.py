@@ -67,7 +67,8 @@ class ScaleCom(Compressor):
         warmup_steps: optimizer steps (counted from 0) reduced densely first.
         min_numel: parameters with fewer entries are always reduced densely.
         leader: ``"cyclic"`` (``t mod size``) or ``"staggered"`` (``(t + parameter index) mod size``).
-        selection: ``"exact"`` or ``"threshold"`` top-k (same indices; see ``clt_k.select_top_k``).
+        selection: ``"threshold"`` (default) or ``"exact"`` top-k: the same indices (see
+            ``clt_k.select_top_k``); "threshold" finds them several times faster on large tensors.
         value_dtype: dtype the selected values travel in, e.g. ``torch.float16`` (default: the
             gradient's dtype).
         index_dtype: ``torch.int32`` (default; int64 for tensors of 2**31 entries or more) or
@@ -82,7 +83,7 @@ class ScaleCom(Compressor):
     """
 
     def __init__(self, named_parameters, ratio=0.01, beta=0.1, warmup_steps=0, min_numel=1024, *,
-                 leader="cyclic", selection="exact", value_dtype=None, index_dtype=torch.int32,
+                 leader="cyclic", selection="threshold", value_dtype=None, index_dtype=torch.int32,
                  pipelined=False, loss_scaler=None, process_set=None, timeout=None):
         self.config = ScaleComConfig(
             ratio=ratio, beta=beta, warmup_steps=warmup_steps, min_numel=min_numel, leader=leader,
