@@ -1,4 +1,5 @@
-"""The soak benchmark in its --smoke mode (-np 2, 20 steps): nothing may rot. The soak's figures are checked against the records they come from, recomputed here."""
+"""The soak benchmark in its --smoke mode (-np 2, 20 steps) and the benchmark runner's --list: nothing
+may rot. The soak's figures are checked against the records they come from, recomputed here."""
 
 import json
 import math
@@ -76,3 +77,10 @@ def test_soak_rejects_bad_arguments():
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--warmup" in proc.stderr
 
+
+def test_run_all_list():
+    out = run_module("benchmarks.run_all", "--list", timeout=120)
+    for name in ("kernels", "slow_link", "scalecom_options", "convergence", "soak"):
+        assert f"-m benchmarks.{name}" in out
+    only = run_module("benchmarks.run_all", "--list", "--only", "soak", "kernels", timeout=120)
+    assert [line.split()[0] for line in only.splitlines() if line.strip()] == ["kernels", "soak"]
