@@ -11,6 +11,13 @@ its shard. Every ``--every`` steps each rank records its RSS (``VmRSS``), ``||m|
 memories (:func:`hvd_scalecom.monitor.residue_norm`), its mean loss since the last record, the count
 of live Python objects and ``stats()``. Options after the soak's own go to the example's parser.
 
+The soak sets the example's ``--lr`` to 0.0125 (0.05 over 4 workers, :data:`EXAMPLE_ARGS`; a later
+``--lr`` wins): with the example's 0.05 per worker (0.2 at 4 workers) this job diverged after about
+250 steps, and :func:`benchmarks.convergence_horovod.replay` shows the same recipe going to NaN in
+the simulator around epoch 19, while 0.0125 trains stably for 2,000 steps there. A soak of a
+diverged model says nothing about its residue memories, so the soak also reports whether training
+made progress (every rank's final loss finite and below its first).
+
 Figures per rank: RSS after warm-up (the first record at or after ``--warmup`` steps) against the
 last one (growth in MB and %), the least-squares slope of RSS over the second half of the run, and
 the residue norm's maximum, final value and last-quarter over previous-quarter mean. Verdicts:
@@ -21,6 +28,7 @@ and the quarter ratio is at most :data:`MAX_QUARTER_RATIO` on every rank.
 
 import argparse
 import json
+import math
 import os
 import platform
 import shlex
@@ -39,6 +47,7 @@ MB = 1 << 20
 MAX_GROWTH_PCT = 2.0  # RSS after warm-up to the end, per rank
 MAX_SLOPE_MB = 1.0  # RSS slope over the second half, MB per 1,000 steps (about 1 KB per step)
 MAX_QUARTER_RATIO = 1.5  # residue norm: mean of the last quarter over that of the previous one
+EXAMPLE_ARGS = ["--lr", "0.0125"]  # put before the user's example options
 
 
 def read_rank(path):
@@ -81,7 +90,7 @@ def summarize_rank(records, steps, warmup):
         "rss_slope_mb_per_1000_steps": rss_slope(at[half], rss[half]),
         "residue_norm_max": float(norm.max()),
         "residue_norm_final": float(norm[-1]),
-        "residue_norm_quarter_ratio": last_mean / prev_mean if prev_mean > 0 else float("nan"),
+        "residue_norm_quarter_ratio": _ratio(last_mean, prev_mean),
         "residue_norm_finite": bool(np.isfinite(norm).all()),
         "python_objects_warm": int(objects[warm]),
         "python_objects_end": int(objects[-1]),
@@ -94,13 +103,22 @@ def summarize_rank(records, steps, warmup):
     }
 
 
+def _ratio(last, previous):
+    """``last / previous``; 0 when both are 0 (nothing compressed yet), inf when only the last is not."""
+    if previous > 0 or not math.isfinite(previous):
+        return last / previous
+    return 0.0 if last == 0 else float("inf")
+
+
 def verdict(ranks):
-    """``(rss_flat, residue_bounded)`` from the per-rank summaries."""
+    """``(rss_flat, residue_bounded, trained)`` from the per-rank summaries."""
     flat = all(r["rss_growth_pct"] <= MAX_GROWTH_PCT and r["rss_slope_mb_per_1000_steps"] <= MAX_SLOPE_MB
                for r in ranks)
     bounded = all(r["residue_norm_finite"] and r["residue_norm_quarter_ratio"] <= MAX_QUARTER_RATIO
                   for r in ranks)
-    return flat, bounded
+    trained = all(r["loss_last"] is not None and math.isfinite(r["loss_last"])
+                  and r["loss_last"] < r["loss_first"] for r in ranks)
+    return flat, bounded, trained
 
 
 def machine():
@@ -148,7 +166,7 @@ def plot(result, path):
 
 def markdown(result, png_name):
     m, ranks = result["machine"], result["ranks"]
-    flat, bounded = result["rss_flat"], result["residue_bounded"]
+    flat, bounded, trained = result["rss_flat"], result["residue_bounded"], result["trained"]
     growth = max(r["rss_growth_mb"] for r in ranks)
     slope = max(r["rss_slope_mb_per_1000_steps"] for r in ranks)
     ratio = max(r["residue_norm_quarter_ratio"] for r in ranks)
@@ -180,6 +198,10 @@ def markdown(result, png_name):
         f"* **Residue norms: {'bounded' if bounded else 'NOT bounded'}.** Largest last-quarter / "
         f"previous-quarter mean ratio on any rank: {ratio:.3f} (threshold {MAX_QUARTER_RATIO}); "
         f"{'all finite' if all(r['residue_norm_finite'] for r in ranks) else 'non-finite values seen'}.",
+        f"* **Training: {'made progress' if trained else 'did NOT make progress'}.** Loss (mean over "
+        f"the {result['every']} steps before a record) from the first record to the last, per rank: "
+        + ", ".join(f"{r['loss_first']:.4f} to {r['loss_last']:.4g}" for r in ranks)
+        + ("." if trained else "; the residue figures describe a diverged model."),
         "",
         "## Figures per rank",
         "",
@@ -259,14 +281,14 @@ def main(argv=None):
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="soak-ranks-") as rank_dir:
         run([WORKER, rank_dir, "--framework", args.framework, "--steps", str(args.steps),
-             "--every", str(args.every), *example_args], np=args.np, controller="gloo",
+             "--every", str(args.every), *EXAMPLE_ARGS, *example_args], np=args.np, controller="gloo",
             timeout=args.timeout, threads=1)
         per_rank = [read_rank(os.path.join(rank_dir, f"rank{rank}.jsonl")) for rank in range(args.np)]
     wall = time.perf_counter() - started
     load.append(os.getloadavg()[0])
 
     ranks = [summarize_rank(r["records"], args.steps, args.warmup) for r in per_rank]
-    flat, bounded = verdict(ranks)
+    flat, bounded, trained = verdict(ranks)
     example = "pytorch_scalecom.py" if args.framework == "torch" else "tensorflow_scalecom.py"
     result = {
         "command": command, "machine": machine(), "framework": args.framework,
@@ -276,7 +298,7 @@ def main(argv=None):
         "options": per_rank[0]["options"], "wall_seconds": wall, "load": load,
         "thresholds": {"max_growth_pct": MAX_GROWTH_PCT, "max_slope_mb_per_1000_steps": MAX_SLOPE_MB,
                        "max_quarter_ratio": MAX_QUARTER_RATIO},
-        "rss_flat": flat, "residue_bounded": bounded, "ranks": ranks,
+        "rss_flat": flat, "residue_bounded": bounded, "trained": trained, "ranks": ranks,
         "records": [r["records"] for r in per_rank],
     }
     with open(os.path.join(out_dir, f"{prefix}.json"), "w") as f:
@@ -285,7 +307,8 @@ def main(argv=None):
     with open(os.path.join(out_dir, f"{prefix}.md"), "w") as f:
         f.write(markdown(result, f"{prefix}.png"))
     print(f"soak: RSS {'flat' if flat else 'NOT flat'}, residue norms "
-          f"{'bounded' if bounded else 'NOT bounded'}; wrote {out_dir}/{prefix}.{{json,png,md}} "
+          f"{'bounded' if bounded else 'NOT bounded'}, training "
+          f"{'made progress' if trained else 'did NOT make progress'}; wrote {out_dir}/{prefix}.{{json,png,md}} "
           f"({wall:.0f} s)", flush=True)
     return 0
 

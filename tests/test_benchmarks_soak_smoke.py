@@ -40,7 +40,8 @@ def test_soak_smoke(tmp_path):
     result = json.loads((tmp_path / "soak.json").read_text())
     assert (result["np"], result["steps"], result["every"], result["warmup"]) == (2, 20, 5, 2)
     assert result["command"] == "python -m benchmarks.soak --smoke"
-    assert isinstance(result["rss_flat"], bool) and isinstance(result["residue_bounded"], bool)
+    assert all(isinstance(result[k], bool) for k in ("rss_flat", "residue_bounded", "trained"))
+    assert result["options"]["lr"] == 0.0125 and result["options"]["beta"] == 0.5
     assert len(result["records"]) == len(result["ranks"]) == 2
     sent, dense = expected_sent_bytes()
     for records, summary in zip(result["records"], result["ranks"]):
