@@ -4,6 +4,7 @@ memories must stay bounded; writes docs/soak.json, docs/soak.png and docs/soak.m
     nice .venv/bin/python -m benchmarks.soak                          # -np 4, 2,000 steps (several minutes)
     .venv/bin/python -m benchmarks.soak --smoke                       # -np 2, 20 steps, into a temp dir
     .venv/bin/python -m benchmarks.soak --framework tensorflow        # the Keras twin (soak_tensorflow.*)
+    .venv/bin/python -m benchmarks.soak --report-only                 # markdown and figure from the JSON
 
 The job is ``benchmarks/_soak_worker.py`` (Gloo, one thread per worker): the digits MLP of
 ``examples/pytorch_scalecom.py`` with ScaleCom at the example's defaults, each rank walking through
@@ -147,14 +148,16 @@ def plot(result, path):
     for rank, records in enumerate(result["records"]):
         steps = [r["step"] for r in records]
         axes[0].plot(steps, [r["rss_bytes"] / MB for r in records], label=f"rank {rank}", lw=1)
-        axes[1].plot(steps, [r["residue_norm"] for r in records], label=f"rank {rank}", lw=1)
+        axes[1].plot(steps[1:], [r["residue_norm"] for r in records[1:]], label=f"rank {rank}", lw=1)
         axes[2].plot(steps[1:], [r["loss"] for r in records[1:]], label=f"rank {rank}", lw=1)
     for ax in axes:
         ax.axvline(result["warmup"], color="grey", ls=":", lw=1)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("RSS (MB)")
     axes[1].set_ylabel("residue norm ||m||")
+    axes[1].set_yscale("log")
     axes[2].set_ylabel(f"loss (mean of {result['every']} steps)")
+    axes[2].set_yscale("log")
     axes[2].set_xlabel("step")
     axes[0].legend(fontsize=7, ncol=4)
     axes[0].set_title(f"Soak: ScaleCom ({result['framework']}), horovodrun -np {result['np']}, "
@@ -172,10 +175,12 @@ def markdown(result, png_name):
     ratio = max(r["residue_norm_quarter_ratio"] for r in ranks)
     opts = result["options"]
     lines = [
-        f"# Soak: {result['steps']:,} steps of ScaleCom under horovodrun -np {result['np']}",
+        f"# Soak: {result['steps']:,} steps of ScaleCom ({result['framework_version'].split()[0]}) under "
+        f"horovodrun -np {result['np']}",
         "",
         f"Made by `{result['command']}` (run with niceness {m['niceness']}; results in "
-        f"`{result['prefix']}.json`, figure `{png_name}`), {result['wall_seconds'] / 60:.1f} minutes wall. "
+        f"`{result['prefix']}.json`, figure `{png_name}`; adding `--report-only` rewrites both from the "
+        f"JSON), {result['wall_seconds'] / 60:.1f} minutes wall. "
         f"Machine: {m['cpu']}, {m['cores']} cores"
         + (f", {m['memory_gib']:.0f} GiB" if m["memory_gib"] else "")
         + f", {m['os']}, shared with other jobs (load average {result['load'][0]:.2f} before, "
@@ -217,7 +222,7 @@ def markdown(result, png_name):
             f"{r['rss_slope_mb_per_1000_steps']:+.3f} | {r['residue_norm_max']:.4g} | "
             f"{r['residue_norm_final']:.4g} | {r['residue_norm_quarter_ratio']:.3f} | "
             f"{r['python_objects_warm']:,} / {r['python_objects_end']:,} | "
-            f"{r['loss_first']:.4f} / {r['loss_last']:.4f} |")
+            f"{r['loss_first']:.4g} / {r['loss_last']:.4g} |")
     r0 = ranks[0]
     lines += [
         "",
@@ -235,6 +240,14 @@ def markdown(result, png_name):
         "",
     ]
     return "\n".join(lines)
+
+
+def write_report(result, out_dir):
+    """``PREFIX.png`` and ``PREFIX.md`` in ``out_dir`` from a result (the JSON's content)."""
+    prefix = result["prefix"]
+    plot(result, os.path.join(out_dir, f"{prefix}.png"))
+    with open(os.path.join(out_dir, f"{prefix}.md"), "w") as f:
+        f.write(markdown(result, f"{prefix}.png"))
 
 
 def _shown(argv):
@@ -260,7 +273,15 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=None, help="steps before the RSS reference (default steps / 10)")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--out-dir", default=None, help="default docs/ (a new temp dir with --smoke)")
+    ap.add_argument("--report-only", action="store_true", help="rewrite the markdown and figure from the JSON")
     args, example_args = ap.parse_known_args(argv)
+    prefix = "soak" if args.framework == "torch" else "soak_tensorflow"
+    if args.report_only:
+        out_dir = args.out_dir or os.path.join(ROOT, "docs")
+        with open(os.path.join(out_dir, f"{prefix}.json")) as f:
+            write_report(json.load(f), out_dir)
+        print(f"soak: rewrote {out_dir}/{prefix}.{{png,md}} from {prefix}.json", flush=True)
+        return 0
     smoke = args.smoke
     args.np = args.np or (2 if smoke else 4)
     args.steps = args.steps or (20 if smoke else 2000)
@@ -273,7 +294,6 @@ def main(argv=None):
         ap.error("--warmup must be in [0, steps)")
     out_dir = args.out_dir or (tempfile.mkdtemp(prefix="soak-") if smoke else os.path.join(ROOT, "docs"))
     os.makedirs(out_dir, exist_ok=True)
-    prefix = "soak" if args.framework == "torch" else "soak_tensorflow"
     command = " ".join(["python -m benchmarks.soak", *map(shlex.quote, _shown(
         sys.argv[1:] if argv is None else argv))])
 
@@ -303,9 +323,7 @@ def main(argv=None):
     }
     with open(os.path.join(out_dir, f"{prefix}.json"), "w") as f:
         json.dump(result, f, indent=1, allow_nan=True)
-    plot(result, os.path.join(out_dir, f"{prefix}.png"))
-    with open(os.path.join(out_dir, f"{prefix}.md"), "w") as f:
-        f.write(markdown(result, f"{prefix}.png"))
+    write_report(result, out_dir)
     print(f"soak: RSS {'flat' if flat else 'NOT flat'}, residue norms "
           f"{'bounded' if bounded else 'NOT bounded'}, training "
           f"{'made progress' if trained else 'did NOT make progress'}; wrote {out_dir}/{prefix}.{{json,png,md}} "

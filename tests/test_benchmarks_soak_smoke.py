@@ -71,6 +71,9 @@ def test_soak_smoke(tmp_path):
     text = (tmp_path / "soak.md").read_text()
     assert "`python -m benchmarks.soak --smoke`" in text and "## Verdict" in text
     assert (tmp_path / "soak.png").stat().st_size > 1000
+    (tmp_path / "soak.md").unlink()
+    run_module("benchmarks.soak", "--smoke", "--report-only", "--out-dir", str(tmp_path))
+    assert (tmp_path / "soak.md").read_text() == text
 
 
 def test_soak_rejects_bad_arguments():
