@@ -284,11 +284,14 @@ def main(argv=None):
     ap.add_argument("--framework", choices=["torch", "tensorflow"], default="torch")
     ap.add_argument("--np", type=int, default=None, help="workers (default 4; 2 with --smoke)")
     ap.add_argument("--steps", type=int, default=None, help="default 2000; 20 with --smoke")
-    ap.add_argument("--every", type=int, default=None, help="record every N steps (default 20; 5 with --smoke)")
-    ap.add_argument("--warmup", type=int, default=None, help="steps before the RSS reference (default steps / 10)")
+    ap.add_argument("--every", type=int, default=None,
+                    help="record every N steps (default 20; 5 with --smoke)")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="steps before the RSS reference (default steps / 10)")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--out-dir", default=None, help="default docs/ (a new temp dir with --smoke)")
-    ap.add_argument("--report-only", action="store_true", help="rewrite the markdown and figure from the JSON")
+    ap.add_argument("--report-only", action="store_true",
+                    help="derive every figure again from the JSON's records")
     args, example_args = ap.parse_known_args(argv)
     prefix = "soak" if args.framework == "torch" else "soak_tensorflow"
     if args.report_only:
@@ -336,7 +339,8 @@ def main(argv=None):
     write_report(result, out_dir)
     print(f"soak: RSS {'flat' if flat else 'NOT flat'}, residue norms "
           f"{'bounded' if bounded else 'NOT bounded'}, training "
-          f"{'made progress' if trained else 'did NOT make progress'}; wrote {out_dir}/{prefix}.{{json,png,md}} "
+          f"{'made progress' if trained else 'did NOT make progress'}; "
+          f"wrote {out_dir}/{prefix}.{{json,png,md}} "
           f"({wall:.0f} s)", flush=True)
     return 0
 

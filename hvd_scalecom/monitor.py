@@ -29,7 +29,8 @@ def residue_norm(compression):
     its ``state_dict()``; 0.0 before the first compressed step. Call it between steps."""
     state = getattr(compression, "state_dict", None)
     if not callable(state):
-        raise TypeError(f"compression must have a state_dict() (a ScaleCom), got {type(compression).__name__}")
+        raise TypeError(f"compression must have a state_dict() (a ScaleCom), "
+                        f"got {type(compression).__name__}")
     total = 0.0
     for entry in state()["params"].values():
         memory = entry.get("memory")
