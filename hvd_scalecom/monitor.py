@@ -1,5 +1,10 @@
 """Framework-neutral monitoring: ``stats()`` of any hvd_scalecom compressor as named scalars, for
-TensorBoard (``hvd_scalecom.torch.log_stats``, ``hvd_scalecom.tensorflow.log_stats``) or any logger."""
+TensorBoard (``hvd_scalecom.torch.log_stats``, ``hvd_scalecom.tensorflow.log_stats``) or any logger,
+and the norm of a compressor's residue memories (for soak runs and logs)."""
+
+import math
+
+import numpy as np
 
 _PER_STEP = ("sent_bytes", "index_bytes", "value_bytes", "dense_bytes", "uncompressed_bytes", "ratio")
 
@@ -17,3 +22,21 @@ def stats_scalars(stats, prefix="scalecom"):
     if "nonfinite_skips" in stats:
         out[f"{prefix}/nonfinite_skips"] = float(stats["nonfinite_skips"])
     return out
+
+
+def residue_norm(compression):
+    """``||m||_2`` over all residue memories of a ScaleCom (torch or TensorFlow) on this rank, from
+    its ``state_dict()``; 0.0 before the first compressed step. Call it between steps."""
+    state = getattr(compression, "state_dict", None)
+    if not callable(state):
+        raise TypeError(f"compression must have a state_dict() (a ScaleCom), "
+                        f"got {type(compression).__name__}")
+    total = 0.0
+    for entry in state()["params"].values():
+        memory = entry.get("memory")
+        if memory is None:
+            continue
+        if hasattr(memory, "detach"):  # a torch tensor, possibly on a GPU
+            memory = memory.detach().cpu()
+        total += float(np.sum(np.square(np.asarray(memory, dtype=np.float64))))
+    return math.sqrt(total)

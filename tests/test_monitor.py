@@ -1,5 +1,6 @@
 """stats() to TensorBoard: tags and values written are the ones read back."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -42,3 +43,22 @@ def test_log_stats_to_tensorboard(tmp_path):
     [point] = events.Scalars("scalecom/value_bytes")
     assert (point.step, point.value) == (7, 400.0)
     assert set(stats_scalars(sample_stats())) <= set(events.Tags()["scalars"])
+
+
+def test_residue_norm_of_torch_scalecom():
+    from hvd_scalecom.monitor import residue_norm
+    from hvd_scalecom.torch import ScaleCom
+
+    model = torch.nn.Sequential(torch.nn.Linear(40, 50), torch.nn.Linear(50, 3))
+    compression = ScaleCom(model.named_parameters(), ratio=0.1, min_numel=100)
+    assert residue_norm(compression) == 0.0  # no memory before the first compressed step
+    state = compression.state_dict()
+    gen = torch.Generator().manual_seed(3)
+    memories = {"0.weight": torch.randn(2000, generator=gen), "1.weight": torch.randn(150, generator=gen)}
+    for name, memory in memories.items():
+        state["params"][name]["memory"] = memory
+    compression.load_state_dict(state)
+    expected = np.sqrt(sum(np.sum(m.numpy().astype(np.float64) ** 2) for m in memories.values()))
+    assert residue_norm(compression) == pytest.approx(expected, rel=1e-12)
+    with pytest.raises(TypeError, match="compression"):
+        residue_norm(object())
