@@ -66,6 +66,10 @@ SENSITIVITY = (
      {"scaling": 1.0}, ("dense", "scalecom")),
     ("digits", "beta sweep", "ScaleCom's low-pass filter (0.1 and 1 are in the main grid)",
      {}, ("scalecom_beta0.03", "scalecom_beta0.3", "scalecom_beta0.5")),
+    ("digits", "pipelined indices", "ScaleCom's pipelined mode: the indices selected a step ahead",
+     {}, ("scalecom_pipelined",)),
+    ("charlm", "pipelined indices", "ScaleCom's pipelined mode: the indices selected a step ahead",
+     {}, ("scalecom_pipelined",)),
     ("charlm", "per-worker batch 64", "global batch 4,096 instead of 1,024",
      {"batch": 64}, ("dense", "scalecom", "scalecom_b1")),
 )
@@ -226,11 +230,15 @@ def main(argv=None):
         else:
             results["horovod"] = compare(**job, progress=log)
 
-    results["runtime"] = {"wall_seconds": time.perf_counter() - start,
-                          "cpu_seconds_main_process": time.process_time() - cpu,
-                          "cpu_seconds_runs": sum(r["cpu_seconds"] for r in results["runs"]),
-                          "cpu_seconds_horovod_jobs": resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime
-                          + resource.getrusage(resource.RUSAGE_CHILDREN).ru_stime}
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    results["runtime"] = {
+        "wall_seconds": time.perf_counter() - start,
+        "cpu_seconds_main_process": time.process_time() - cpu,
+        "cpu_seconds_runs": sum(r["cpu_seconds"] for r in results["runs"]),
+        "cpu_seconds_horovod_jobs": children.ru_utime + children.ru_stime,
+        # with --resume, results of earlier invocations were reused: this invocation's times are not
+        # the whole cost (cpu_seconds_runs still is: every run records its own)
+        "resumed": bool(previous or previous_horovod)}
     runner.save()
     convergence_report.write(results, args.out_dir)
     log(f"wrote {path}, {args.out_dir}/convergence.md and its figures in "

@@ -92,6 +92,8 @@ def label_of(results, key):
             return s["label"]
     if key.startswith("scalecom_beta"):
         return f"ScaleCom, beta {key[len('scalecom_beta'):]}"
+    if key == "scalecom_pipelined":
+        return "ScaleCom, beta 0.1, pipelined"
     return key
 
 

@@ -99,6 +99,8 @@ def build(key, recipe, n, knob=None):
         return ScaleCom(ratio=r, beta=1.0, **common)
     if key == "scalecom":
         return ScaleCom(ratio=r, beta=SCALECOM_BETA, **common)
+    if key == "scalecom_pipelined":  # indices one step stale (the pipelined mode)
+        return ScaleCom(ratio=r, beta=SCALECOM_BETA, pipelined=True, **common)
     if key.startswith("scalecom_beta"):  # scalecom_beta0.3 and the like, for the beta sweep
         return ScaleCom(ratio=r, beta=float(key[len("scalecom_beta"):]), **common)
     if key == "local_topk":

@@ -52,7 +52,7 @@ def markdown(rows, seeds, command):
         "# ScaleCom on PyTorch and on TensorFlow",
         "",
         f"Made by `{command}`: `horovodrun -np 2` of each example with its defaults (digits MLP, "
-        f"166,410 parameters, 25 epochs, ratio 0.01, beta 0.5), seeds {', '.join(map(str, seeds))}. "
+        f"167,178 parameters, 25 epochs, ratio 0.01, beta 0.5), seeds {', '.join(map(str, seeds))}. "
         "The frameworks draw different initial weights and batch orders from the same seed, so runs "
         "are compared through their spread over seeds, not pair by pair.",
         "",

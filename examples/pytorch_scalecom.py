@@ -1,4 +1,4 @@
-"""Train an MLP (166k parameters) on scikit-learn's handwritten digits with ScaleCom and Horovod.
+"""Train an MLP (167k parameters) on scikit-learn's handwritten digits with ScaleCom and Horovod.
 
     horovodrun -np 2 -H localhost:2 --gloo python examples/pytorch_scalecom.py --compression scalecom
 

@@ -1,4 +1,4 @@
-"""Train a Keras 3 MLP (166k parameters) on scikit-learn's handwritten digits with ScaleCom and Horovod.
+"""Train a Keras 3 MLP (167k parameters) on scikit-learn's handwritten digits with ScaleCom and Horovod.
 
     horovodrun -np 2 -H localhost:2 --gloo python examples/tensorflow_scalecom.py --compression scalecom
 

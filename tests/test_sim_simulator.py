@@ -156,7 +156,7 @@ def test_every_scheme_trains(index):
     assert end < 0.6 * start, (scheme.name, start, end)
 
 
-def test_64_workers_on_a_166k_parameter_mlp():
+def test_64_workers_on_a_167k_parameter_mlp():
     """The simulator's cost at the scale it is meant for: no Python loops over entries or workers."""
     model = mlp([784, 200, 50, 10])  # 167,560 parameters
     assert sum(p.numel() for p in model.parameters()) == 167_560
