@@ -35,7 +35,9 @@ def parse_args(argv=None):
     ap.add_argument("--pipelined", action="store_true", help="indices selected one step ahead")
     ap.add_argument("--epochs", type=int, default=25)
     ap.add_argument("--batch-size", type=int, default=32, help="per worker")
-    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--lr", type=float, default=0.05, help="per worker (see --lr-scaling)")
+    ap.add_argument("--lr-scaling", choices=["linear", "sqrt"], default="linear",
+                    help="learning rate = lr x workers (linear) or lr x sqrt(workers)")
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--result", help="rank 0 writes final figures here as JSON")
@@ -85,7 +87,8 @@ def main(argv=None):
         compression = hvd.Compression.fp16
     else:
         compression = hvd.Compression.none
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * size, momentum=args.momentum)
+    lr = args.lr * (size if args.lr_scaling == "linear" else size ** 0.5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum)
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                          compression=compression)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)

@@ -25,6 +25,6 @@ def test_frontends_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     text = out.read_text()
     assert "| pytorch | scalecom |" in text and "| tensorflow | scalecom |" in text
-    rows = json.loads((tmp_path / "frontends.json").read_text())
+    rows = json.loads((tmp_path / "frontends.json").read_text())["rows"]
     assert {r["framework"] for r in rows} == {"pytorch", "tensorflow"}
     assert all(0.0 <= r["accuracy"] <= 1.0 and r["reduction"] > 10 for r in rows)
