@@ -13,11 +13,16 @@ Deadlock freedom: Horovod calls ``compress`` from each parameter's gradient hook
 can differ between ranks (dynamic graphs, parameters without a gradient that Horovod reduces later in
 ``synchronize()``). A rank that is not the leader of a tensor therefore posts its receiving broadcast
 for *every* tensor of the step at its first ``compress`` of that step, and only waits inside the
-hook of the tensor itself. With the cyclic leader the leader never waits on anything but those posts,
-so no hook order can deadlock. (With ``leader="staggered"`` every rank leads some tensors; hook orders
-must then agree across ranks, or ``timeout`` turns a wait into an error.)
+hook of the tensor itself. The leader never waits inside ``compress``: it starts its broadcast and
+completes it in ``decompress``, after every rank has reduced the tensor. With the cyclic leader no
+hook order, and no rank that reduces a tensor only in ``synchronize()`` (a gradient it did not
+compute, a parameter it froze with ``requires_grad_(False)``), can deadlock. (With
+``leader="staggered"`` every rank leads some tensors; hook orders must then agree across ranks, or
+``timeout`` turns a wait into an error.)
 """
 
+import os
+import sys
 import time
 
 import torch
@@ -36,6 +41,16 @@ _TORCH_DTYPES = {
     "int32": torch.int32,
     "int64": torch.int64,
 }
+
+
+def _stall_times(timeout):
+    """(warning interval, time limit) in seconds, None for never: Horovod's own stall settings,
+    ``timeout`` taking precedence over ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``."""
+    disabled = os.environ.get("HOROVOD_STALL_CHECK_DISABLE", "0") not in ("", "0")
+    warn_every = None if disabled else float(os.environ.get("HOROVOD_STALL_CHECK_TIME_SECONDS", 60))
+    shutdown = float(os.environ.get("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0))
+    limit = timeout if timeout is not None else (shutdown if shutdown > 0 and not disabled else None)
+    return warn_every, limit
 
 
 class _Slot:
@@ -75,8 +90,9 @@ class ScaleCom(Compressor):
         loss_scaler: a ``torch.amp.GradScaler`` (anything with ``get_scale()``) when gradients are
             loss-scaled: the residue memory is rescaled whenever the scale changes.
         process_set: the Horovod process set the optimizer reduces over (default: all ranks).
-        timeout: seconds to wait for a leader's indices before raising (default: wait, as Horovod
-            does, with its stall warnings).
+        timeout: seconds to wait for a leader's indices before raising a RuntimeError (default:
+            ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` if set, else wait). A late broadcast prints a
+            warning every ``HOROVOD_STALL_CHECK_TIME_SECONDS`` (60 s), as Horovod does for its own.
     """
 
     def __init__(self, named_parameters, ratio=0.01, beta=0.1, warmup_steps=0, min_numel=1024, *,
@@ -135,6 +151,7 @@ class ScaleCom(Compressor):
         self._post_receives(t, rank, size)
         slot.step += 1
         wait_from = time.perf_counter()
+        sending = None  # the leader's own broadcast, completed in decompress (never waited for here)
         if slot.posted is not None and slot.posted[0] == t:
             indices = self._wait(slot, t, rank, size)  # posted ahead, or selected a step ago
         elif rank == leader:
@@ -143,8 +160,10 @@ class ScaleCom(Compressor):
             indices = clt_k.select_top_k(p, k, self.config.selection)
             del p
             wait_from += time.perf_counter() - select_from
-            self._synchronize(self._broadcast_async(slot, indices.to(self._index_dtype(numel)), leader),
-                              slot)
+            sending = self._broadcast_async(slot, indices.to(self._index_dtype(numel)), leader)
+            if self.config.pipelined:  # the next step's broadcast of this name starts below
+                self._synchronize(sending, slot)
+                sending = None
         else:
             indices = self._wait(slot, t, rank, size)
         waited = time.perf_counter() - wait_from
@@ -161,7 +180,7 @@ class ScaleCom(Compressor):
             t, index_bytes=k * self.config.index_itemsize(numel), value_bytes=k * values.element_size(),
             uncompressed_bytes=dense_bytes, index_wait_seconds=waited,
             compress_seconds=time.perf_counter() - start - waited)
-        return values, (slot, t, indices, tensor)
+        return values, (slot, t, indices, tensor, sending)
 
     def decompress(self, tensor, ctx):
         """Scatter the reduced values; then the low-pass memory update (deferred to here, where the
@@ -169,7 +188,8 @@ class ScaleCom(Compressor):
         if ctx is None:
             return tensor
         start = time.perf_counter()
-        slot, t, indices, grad = ctx
+        slot, t, indices, grad, sending = ctx
+        self._synchronize(sending, slot)  # long done: every rank received it before reducing
         out = clt_k.scatter_dense(tensor, indices, grad.numel(), grad.dtype).view(grad.shape)
         if bool(torch.isfinite(tensor).all()):
             clt_k.take_and_filter_memory_(slot.memory, grad, indices, self.config.beta,
@@ -373,17 +393,25 @@ class ScaleCom(Compressor):
         return buffer
 
     def _synchronize(self, handle, slot):
+        """Wait for a broadcast: a warning every ``HOROVOD_STALL_CHECK_TIME_SECONDS`` (60) while it
+        is late, a RuntimeError after ``timeout`` (or ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``)."""
         if handle is None:
             return  # restored from a checkpoint: nothing in flight
-        if self.timeout is not None:
-            deadline = time.monotonic() + self.timeout
-            while not hvd.poll(handle):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"ScaleCom: the leader's indices for {slot.name!r} did not arrive within "
-                        f"{self.timeout} s. Ranks reduce parameters in different orders while "
-                        f"leader='staggered', or a rank stopped training.")
-                time.sleep(1e-4)
+        start = warned = time.monotonic()
+        warn_every, limit = _stall_times(self.timeout)
+        cause = ("Ranks reduce parameters in different orders while leader='staggered', or a rank "
+                 "stopped training.")
+        while not hvd.poll(handle):
+            now = time.monotonic()
+            if limit is not None and now - start > limit:
+                raise RuntimeError(f"ScaleCom: the leader's indices for {slot.name!r} did not arrive "
+                                   f"within {limit:g} s. {cause}")
+            if warn_every is not None and now - warned > warn_every:
+                warned = now
+                print(f"ScaleCom warning: still waiting after {now - start:.0f} s for the leader's "
+                      f"indices for {slot.name!r}. {cause} Set ScaleCom(timeout=...) to raise instead.",
+                      file=sys.stderr, flush=True)
+            time.sleep(1e-4)
         hvd.synchronize(handle)
 
     def _not_yet_reduced(self, index):
