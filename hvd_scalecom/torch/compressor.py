@@ -31,7 +31,8 @@ from horovod.torch.compression import Compressor
 
 from hvd_scalecom.config import INDEX_DTYPES, VALUE_DTYPES, ScaleComConfig, check_dtype_name
 from hvd_scalecom.torch import clt_k
-from hvd_scalecom.torch.common import GradientLookup, check_agreement, named_parameter_list, shapes_digest
+from hvd_scalecom.torch.common import (GradientLookup, check_agreement, check_process_set,
+                                      check_state_entry, named_parameter_list, shapes_digest)
 from hvd_scalecom.traffic import TrafficMeter
 
 _TORCH_DTYPES = {
@@ -102,7 +103,8 @@ class ScaleCom(Compressor):
             ratio=ratio, beta=beta, warmup_steps=warmup_steps, min_numel=min_numel, leader=leader,
             selection=selection, value_dtype=check_dtype_name(value_dtype, "value_dtype", VALUE_DTYPES),
             index_dtype=check_dtype_name(index_dtype, "index_dtype", INDEX_DTYPES), pipelined=pipelined)
-        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+        if timeout is not None and not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+                                        and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
         self.timeout = timeout
         if loss_scaler is not None and not callable(getattr(loss_scaler, "get_scale", None)):
@@ -115,7 +117,7 @@ class ScaleCom(Compressor):
         self._lookup = GradientLookup([s.param for s in self._slots], [s.name for s in self._slots],
                                       "ScaleCom")
         self._by_name = {s.name: s for s in self._slots}
-        self._process_set = process_set
+        self._process_set = check_process_set(process_set)
         self._value_dtype = _TORCH_DTYPES.get(self.config.value_dtype)
         self._posted_through = -1  # last step whose receiving broadcasts were posted
         self._agreed = False  # configurations compared across ranks (at the first compress)
@@ -245,16 +247,12 @@ class ScaleCom(Compressor):
             extra = sorted(set(params) - set(self._by_name))
             raise ValueError(f"state does not match the parameters: missing {missing}, unexpected {extra}")
         for name, entry in params.items():
-            memory = entry["memory"]
-            numel = self._by_name[name].param.numel()
-            if memory is not None and memory.numel() != numel:
-                raise ValueError(f"state memory of {name!r} has {memory.numel()} entries, "
-                                 f"the parameter {numel}")
+            check_state_entry(name, entry, self._by_name[name].param.numel(), ("memory",))
         for name, entry in params.items():
             slot = self._by_name[name]
             slot.step = int(entry["step"])
             slot.scale = entry.get("scale")
-            memory = entry["memory"]
+            memory = entry.get("memory")
             slot.memory = None if memory is None else memory.detach().clone().to(slot.param.device)
             slot.posted = slot.expected = None
             if "next_indices" in entry:
