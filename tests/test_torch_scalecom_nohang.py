@@ -13,12 +13,13 @@ from test_torch_scalecom import NAMES, check_against_reference, check_identical_
 FAST_STALL = {"HOROVOD_STALL_CHECK_TIME_SECONDS": "10", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "60"}
 
 
-@pytest.mark.parametrize("np_, ranks", [(2, [0, 1]), (2, [1]), (3, [2])])
-def test_requires_grad_toggled_mid_training(horovod_job, np_, ranks):
+@pytest.mark.parametrize("np_, ranks, pipelined", [(2, [0, 1], False), (2, [1], False), (3, [2], False),
+                                                   (3, [1], True)])
+def test_requires_grad_toggled_mid_training(horovod_job, np_, ranks, pipelined):
     """out.weight is frozen for steps 3-5 on ``ranks`` (all of them or one), then trainable again.
     A frozen rank's gradient is not computed, so Horovod reduces zeros for it after the backward
     pass: the reference sees a zero gradient from that rank, as for any missing gradient."""
-    opts = {"ratio": 0.05, "beta": 0.5, "min_numel": 600, "steps": 8,
+    opts = {"ratio": 0.05, "beta": 0.5, "min_numel": 600, "steps": 8, "pipelined": pipelined,
             "freeze": {"param": "out.weight", "ranks": ranks, "from": 3, "to": 6}}
     results, _ = horovod_job("torch_scalecom.py", opts, np=np_, timeout=180, env=FAST_STALL)
     assert len(results) == np_
