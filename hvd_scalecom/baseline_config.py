@@ -10,30 +10,10 @@ which validate their settings through these classes too, so both paths accept an
 """
 
 import dataclasses
-import numbers
 
-from hvd_scalecom.config import INDEX_DTYPES, ScaleComConfig
+from hvd_scalecom.config import INDEX_DTYPES, ScaleComConfig, check_int, check_real
 
 QSPARSE_OPERATORS = ("top_k", "sign_top_k", "qsgd_top_k")
-
-
-def _is_int(x):
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _is_real(x):
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def _check_int(value, argument, minimum, allow_none=False):
-    if value is None and allow_none:
-        return None
-    if not _is_int(value):
-        raise TypeError(f"{argument} must be an int{' or None' if allow_none else ''}, "
-                        f"got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{argument} must be >= {minimum}, got {value}")
-    return int(value)
 
 
 def _shared(ratio, warmup_steps, min_numel):
@@ -69,15 +49,11 @@ class SketchedSGDConfig:
         object.__setattr__(self, "ratio", shared.ratio)
         object.__setattr__(self, "warmup_steps", shared.warmup_steps)
         object.__setattr__(self, "min_numel", shared.min_numel)
-        object.__setattr__(self, "rows", _check_int(self.rows, "rows", 1))
-        object.__setattr__(self, "columns", _check_int(self.columns, "columns", 1, allow_none=True))
-        object.__setattr__(self, "candidates", _check_int(self.candidates, "candidates", 1))
-        object.__setattr__(self, "seed", _check_int(self.seed, "seed", 0))
-        if not _is_real(self.momentum):
-            raise TypeError(f"momentum must be a number in [0, 1), got {self.momentum!r}")
-        if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {self.momentum!r}")
-        object.__setattr__(self, "momentum", float(self.momentum))
+        object.__setattr__(self, "rows", check_int(self.rows, "rows", 1))
+        object.__setattr__(self, "columns", check_int(self.columns, "columns", 1, allow_none=True))
+        object.__setattr__(self, "candidates", check_int(self.candidates, "candidates", 1))
+        object.__setattr__(self, "seed", check_int(self.seed, "seed", 0))
+        object.__setattr__(self, "momentum", check_real(self.momentum, "momentum", 0.0, 1.0, high_open=True))
 
     def is_sketched(self, shape):
         """Whether a parameter of this shape is sketched (matrices and higher, ``numel >= min_numel``);
@@ -130,12 +106,12 @@ class QsparseConfig:
         shared = _shared(self.ratio, 0, self.min_numel)
         object.__setattr__(self, "ratio", shared.ratio)
         object.__setattr__(self, "min_numel", shared.min_numel)
-        object.__setattr__(self, "local_steps", _check_int(self.local_steps, "local_steps", 1))
-        object.__setattr__(self, "max_k", _check_int(self.max_k, "max_k", 1, allow_none=True))
-        object.__setattr__(self, "levels", _check_int(self.levels, "levels", 1))
+        object.__setattr__(self, "local_steps", check_int(self.local_steps, "local_steps", 1))
+        object.__setattr__(self, "max_k", check_int(self.max_k, "max_k", 1, allow_none=True))
+        object.__setattr__(self, "levels", check_int(self.levels, "levels", 1))
         if self.levels > 2**31 - 1:
             raise ValueError(f"levels must be < 2**31, got {self.levels}")
-        object.__setattr__(self, "seed", _check_int(self.seed, "seed", 0))
+        object.__setattr__(self, "seed", check_int(self.seed, "seed", 0))
         if self.operator not in QSPARSE_OPERATORS:
             raise ValueError(f"operator must be one of {QSPARSE_OPERATORS}, got {self.operator!r}")
         if self.index_dtype not in INDEX_DTYPES:

@@ -30,6 +30,29 @@ def _is_int(x):
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def check_int(value, argument, minimum, allow_none=False):
+    """``int(value)``; TypeError unless an int (bools are not), ValueError below ``minimum``."""
+    if value is None and allow_none:
+        return None
+    if not _is_int(value):
+        raise TypeError(f"{argument} must be an int{' or None' if allow_none else ''}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{argument} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def check_real(value, argument, low, high, low_open=False, high_open=False):
+    """``float(value)``; TypeError unless a real number, ValueError outside the interval or NaN."""
+    if not _is_real(value):
+        raise TypeError(f"{argument} must be a number, got {value!r}")
+    above = value > low if low_open else value >= low
+    below = value < high if high_open else value <= high
+    if not (above and below):  # NaN fails both
+        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise ValueError(f"{argument} must be in {interval}, got {value!r}")
+    return float(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class ScaleComConfig:
     """What every rank must agree on. Arguments are checked in ``__post_init__``.

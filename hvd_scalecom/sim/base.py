@@ -147,6 +147,8 @@ class Scheme:
 
     def load_state_dict(self, saved):
         """Restore :meth:`state_dict`'s output; checks everything before changing anything."""
+        if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict):
+            raise ValueError(f"scheme state must be a dict returned by {type(self).__name__}.state_dict()")
         if saved.get("scheme") != self.name:
             raise ValueError(f"state is of scheme {saved.get('scheme')!r}, this is {self.name!r}")
         if saved.get("n") != self.n:
@@ -157,9 +159,18 @@ class Scheme:
         if set(saved["state"]) != set(self.state):
             raise ValueError(f"state names {sorted(saved['state'])} differ from the parameters "
                              f"{sorted(self.state)}")
-        self.state = {name: {k: v.detach().clone() for k, v in entry.items()}
-                      for name, entry in saved["state"].items()}
-        self.load_extra_state(saved["extra"])
+        for name, entry in saved["state"].items():
+            for key, value in entry.items():
+                mine = self.state[name].get(key)
+                if not isinstance(value, torch.Tensor):
+                    raise TypeError(f"state {key} of {name!r} must be a tensor, got {type(value).__name__}")
+                if mine is not None and value.shape != mine.shape:
+                    raise ValueError(f"state {key} of {name!r} has shape {tuple(value.shape)}, "
+                                     f"expected {tuple(mine.shape)}")
+        state = {name: {k: v.detach().clone() for k, v in entry.items()}
+                 for name, entry in saved["state"].items()}
+        self.load_extra_state(saved.get("extra", {}))  # may raise: before anything else changes
+        self.state = state
 
     def extra_state(self):
         return {}

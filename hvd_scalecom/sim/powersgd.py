@@ -10,7 +10,7 @@ Vectors (biases), tensors below ``min_numel`` and matrices where rank r would no
 
 import torch
 
-from hvd_scalecom.config import ScaleComConfig
+from hvd_scalecom.config import ScaleComConfig, check_int
 from hvd_scalecom.sim.base import Scheme, mean_over_workers
 from hvd_scalecom.torch.powersgd import approximation, as_matrix, left_factor, orthogonalise_, right_factor
 
@@ -22,9 +22,7 @@ class PowerSGD(Scheme):
 
     def __init__(self, rank=2, warmup_steps=0, min_numel=1024, *, seed=0):
         super().__init__(ScaleComConfig(ratio=1.0, warmup_steps=warmup_steps, min_numel=min_numel))
-        if not (isinstance(rank, int) and rank >= 1):
-            raise ValueError(f"rank must be an int >= 1, got {rank!r}")
-        self.rank, self.seed = rank, int(seed)
+        self.rank, self.seed = check_int(rank, "rank", 1), check_int(seed, "seed", 0)
 
     def compresses(self, spec):
         if len(spec.shape) < 2:

@@ -30,7 +30,7 @@ import math
 import torch
 
 from hvd_scalecom.baseline_config import QSPARSE_OPERATORS, QsparseConfig
-from hvd_scalecom.config import ScaleComConfig
+from hvd_scalecom.config import ScaleComConfig, check_real
 from hvd_scalecom.sim.base import Scheme
 from hvd_scalecom.sim.traffic import StepRecord
 from hvd_scalecom.torch import clt_k
@@ -60,7 +60,8 @@ class QsparseLocalSGD(Scheme):
                                  levels=levels, min_numel=min_numel, seed=seed)  # errors name the argument
         super().__init__(ScaleComConfig(ratio=settings.ratio, min_numel=settings.min_numel))
         self.settings = settings
-        self.lr, self.momentum = float(lr), float(momentum)
+        self.lr = check_real(lr, "lr", 0.0, math.inf, low_open=True, high_open=True)
+        self.momentum = check_real(momentum, "momentum", 0.0, 1.0, high_open=True)
         self.local_steps, self.max_k = settings.local_steps, settings.max_k
         self.operator, self.levels, self.seed = settings.operator, settings.levels, settings.seed
         self.generator = torch.Generator().manual_seed(self.seed)

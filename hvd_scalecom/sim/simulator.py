@@ -10,8 +10,10 @@ import dataclasses
 
 import torch
 
+from hvd_scalecom.config import check_int
 from hvd_scalecom.sim.base import Scheme, TensorSpec
 from hvd_scalecom.sim.traffic import StepRecord
+from hvd_scalecom.torch.common import named_parameter_list
 
 _SUMMED = ("index_bytes", "value_bytes", "dense_bytes", "payload_bytes", "sent_index_bytes",
            "sent_value_bytes", "sent_dense_bytes", "sent_bytes", "uncompressed_bytes",
@@ -74,15 +76,9 @@ class Simulator:
     def __init__(self, scheme, n_workers, named_parameters, *, diagnostics=True, device=None):
         if not isinstance(scheme, Scheme):
             raise TypeError(f"scheme must be a hvd_scalecom.sim Scheme, got {type(scheme).__name__}")
-        if not (isinstance(n_workers, int) and n_workers >= 1):
-            raise ValueError(f"n_workers must be an int >= 1, got {n_workers!r}")
-        pairs = list(named_parameters)
-        if not pairs:
-            raise ValueError("named_parameters is empty")
-        names = [name for name, _ in pairs]
-        if len(set(names)) != len(names):
-            raise ValueError("named_parameters has a name twice")
-        self.names = names
+        check_int(n_workers, "n_workers", 1)
+        pairs = named_parameter_list(named_parameters, "Simulator")
+        self.names = [name for name, _ in pairs]
         self.params = [p for _, p in pairs]
         self.specs = [TensorSpec(i, name, tuple(p.shape), p.numel(), p.dtype)
                       for i, (name, p) in enumerate(pairs)]
@@ -160,11 +156,19 @@ class Simulator:
                 "history": [dict(h) for h in self.history], "scheme": self.scheme.state_dict()}
 
     def load_state_dict(self, state):
+        """Restore :meth:`state_dict`'s output; checks everything before changing anything."""
+        if not isinstance(state, dict):
+            raise ValueError(f"state must be a dict returned by Simulator.state_dict(), got "
+                             f"{type(state).__name__}")
         if state.get("n") != self.n or state.get("names") != self.names:
             raise ValueError("state was saved for other workers or parameters")
-        self.scheme.load_state_dict(state["scheme"])
-        self.step_count = int(state["step"])
-        self.history = [dict(h) for h in state["history"]]
+        step = check_int(state.get("step"), "state step", 0)
+        history = state.get("history")
+        if not (isinstance(history, list) and all(isinstance(h, dict) for h in history)):
+            raise TypeError(f"state history must be a list of dicts, got {type(history).__name__}")
+        self.scheme.load_state_dict(state.get("scheme"))
+        self.step_count = step
+        self.history = [dict(h) for h in history]
 
     def _device_of(self, grads):
         for g in grads:

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from hvd_scalecom.config import ScaleComConfig
+from hvd_scalecom.config import VALUE_DTYPES, ScaleComConfig, check_dtype_name, check_int
 from hvd_scalecom.sim.base import Scheme, mean_over_workers
 from hvd_scalecom.sim.traffic import dtype_name
 from hvd_scalecom.torch import clt_k
@@ -33,6 +33,7 @@ class Dense(Scheme):
     name = "dense"
 
     def __init__(self, wire_dtype=None):
+        wire_dtype = check_dtype_name(wire_dtype, "wire_dtype", VALUE_DTYPES)
         super().__init__(ScaleComConfig(ratio=1.0, min_numel=0, value_dtype=wire_dtype))
         self.wire_dtype = wire_dtype
 
@@ -177,7 +178,7 @@ class RandomK(_SharedIndices):
     def __init__(self, ratio=0.01, warmup_steps=0, min_numel=1024, *, seed=0, value_dtype=None):
         super().__init__(ScaleComConfig(ratio=ratio, beta=1.0, warmup_steps=warmup_steps,
                                         min_numel=min_numel, value_dtype=value_dtype))
-        self.seed = int(seed)
+        self.seed = check_int(seed, "seed", 0)
 
     def compress(self, spec, G, t, record, diagnostics):
         k = self.config.num_selected(spec.numel)

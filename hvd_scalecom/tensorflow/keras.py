@@ -19,6 +19,7 @@ import keras
 import tensorflow as tf
 import horovod.tensorflow as hvd
 
+from hvd_scalecom.config import check_int
 from hvd_scalecom.tensorflow.compressor import ScaleCom
 
 __all__ = ["gradient_sources", "make_train_step", "DistributedOptimizer", "BroadcastInitialState"]
@@ -67,6 +68,8 @@ def make_train_step(model, optimizer, loss, compression=None, *, root_rank=0, ji
     loss_fn = keras.losses.get(loss) if isinstance(loss, str) else loss
     if not callable(loss_fn):
         raise TypeError(f"loss must be a callable or a Keras loss name, got {loss!r}")
+    _check_compression(compression)
+    check_int(root_rank, "root_rank", 0)
     if compression is None:
         compression = hvd.Compression.none
     elif isinstance(compression, ScaleCom):
@@ -110,6 +113,9 @@ def DistributedOptimizer(optimizer, compression=None, *, sparse_as_dense=False,
         raise TypeError(f"optimizer must be a keras.optimizers.Optimizer, got {type(optimizer).__name__}")
     if optimizer.built:
         raise ValueError("optimizer must not be built yet: wrap it before training")
+    _check_compression(compression)
+    if not isinstance(sparse_as_dense, bool):
+        raise TypeError(f"sparse_as_dense must be True or False, got {sparse_as_dense!r}")
     reduce = hvd._make_allreduce_grads_fn(  # Horovod's own, as in DistributedGradientTape
         "DistributedOptimizer", "", "", compression or hvd.Compression.none, sparse_as_dense,
         hvd.Average, 1.0, None, process_set)
@@ -131,13 +137,20 @@ class BroadcastInitialState(keras.callbacks.Callback):
 
     def __init__(self, root_rank=0):
         super().__init__()
-        self.root_rank = root_rank
+        self.root_rank = check_int(root_rank, "root_rank", 0)
 
     def on_train_begin(self, logs=None):
         variables = list(self.model.variables)
         if self.model.optimizer is not None and self.model.optimizer.built:
             variables += list(self.model.optimizer.variables)
         hvd.broadcast_variables(gradient_sources(variables), root_rank=self.root_rank)
+
+
+def _check_compression(compression):
+    if compression is not None and not (callable(getattr(compression, "compress", None))
+                                        and callable(getattr(compression, "decompress", None))):
+        raise TypeError(f"compression must be a ScaleCom, a Horovod compression (with compress and "
+                        f"decompress) or None, got {compression!r}")
 
 
 def _mean_loss(loss_fn, y, prediction, sample_weight):

@@ -10,6 +10,8 @@ import json
 
 import torch
 
+from hvd_scalecom.config import check_int
+
 _USAGE = "named_parameters must be an iterable of (name, parameter) pairs, such as model.named_parameters()"
 
 
@@ -39,6 +41,34 @@ def named_parameter_list(named_parameters, scheme):
         names.add(name)
         ids.add(id(param))
     return pairs
+
+
+def check_process_set(process_set):
+    """``process_set`` unchanged if it is None or a ``horovod.torch.ProcessSet``, else TypeError."""
+    from horovod.torch import ProcessSet
+    if process_set is not None and not isinstance(process_set, ProcessSet):
+        raise TypeError(f"process_set must be a horovod.torch.ProcessSet or None, "
+                        f"got {type(process_set).__name__}")
+    return process_set
+
+
+def check_state_entry(name, entry, numel, tensors, step=True):
+    """One parameter's entry of a saved state: a dict whose ``step`` (if ``step``) is an int >= 0 and
+    whose ``tensors`` are None or floating-point tensors of ``numel`` entries; else TypeError or
+    ValueError naming the parameter."""
+    if not isinstance(entry, dict):
+        raise TypeError(f"state entry of {name!r} must be a dict, got {type(entry).__name__}")
+    if step:
+        check_int(entry.get("step"), f"state step of {name!r}", 0)
+    for key in tensors:
+        value = entry.get(key)
+        if value is None:
+            continue
+        if not (isinstance(value, torch.Tensor) and value.dtype.is_floating_point):
+            raise TypeError(f"state {key} of {name!r} must be a floating-point tensor or None, "
+                            f"got {type(value).__name__} {getattr(value, 'dtype', '')}".rstrip())
+        if value.numel() != numel:
+            raise ValueError(f"state {key} of {name!r} has {value.numel()} entries, the parameter {numel}")
 
 
 class GradientLookup:

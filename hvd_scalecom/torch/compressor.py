@@ -15,11 +15,16 @@ Deadlock freedom: Horovod calls ``compress`` from each parameter's gradient hook
 can differ between ranks (dynamic graphs, parameters without a gradient that Horovod reduces later in
 ``synchronize()``). A rank that is not the leader of a tensor therefore posts its receiving broadcast
 for *every* tensor of the step at its first ``compress`` of that step, and only waits inside the
-hook of the tensor itself. With the cyclic leader the leader never waits on anything but those posts,
-so no hook order can deadlock. (With ``leader="staggered"`` every rank leads some tensors; hook orders
-must then agree across ranks, or ``timeout`` turns a wait into an error.)
+hook of the tensor itself. The leader never waits inside ``compress``: it starts its broadcast and
+completes it in ``decompress``, after every rank has reduced the tensor. With the cyclic leader no
+hook order, and no rank that reduces a tensor only in ``synchronize()`` (a gradient it did not
+compute, a parameter it froze with ``requires_grad_(False)``), can deadlock. (With
+``leader="staggered"`` every rank leads some tensors; hook orders must then agree across ranks, or
+``timeout`` turns a wait into an error.)
 """
 
+import os
+import sys
 import time
 
 import torch
@@ -28,7 +33,8 @@ from horovod.torch.compression import Compressor
 
 from hvd_scalecom.config import INDEX_DTYPES, VALUE_DTYPES, ScaleComConfig, check_dtype_name
 from hvd_scalecom.torch import clt_k
-from hvd_scalecom.torch.common import GradientLookup, check_agreement, named_parameter_list, shapes_digest
+from hvd_scalecom.torch.common import (GradientLookup, check_agreement, check_process_set,
+                                      check_state_entry, named_parameter_list, shapes_digest)
 from hvd_scalecom.traffic import TrafficMeter
 
 _TORCH_DTYPES = {
@@ -38,6 +44,16 @@ _TORCH_DTYPES = {
     "int32": torch.int32,
     "int64": torch.int64,
 }
+
+
+def _stall_times(timeout):
+    """(warning interval, time limit) in seconds, None for never: Horovod's own stall settings,
+    ``timeout`` taking precedence over ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``."""
+    disabled = os.environ.get("HOROVOD_STALL_CHECK_DISABLE", "0") not in ("", "0")
+    warn_every = None if disabled else float(os.environ.get("HOROVOD_STALL_CHECK_TIME_SECONDS", 60))
+    shutdown = float(os.environ.get("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0))
+    limit = timeout if timeout is not None else (shutdown if shutdown > 0 and not disabled else None)
+    return warn_every, limit
 
 
 class _Slot:
@@ -78,8 +94,9 @@ class ScaleCom(Compressor):
         loss_scaler: a ``torch.amp.GradScaler`` (anything with ``get_scale()``) when gradients are
             loss-scaled: the residue memory is rescaled whenever the scale changes.
         process_set: the Horovod process set the optimizer reduces over (default: all ranks).
-        timeout: seconds to wait for a leader's indices before raising (default: wait, as Horovod
-            does, with its stall warnings).
+        timeout: seconds to wait for a leader's indices before raising a RuntimeError (default:
+            ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` if set, else wait). A late broadcast prints a
+            warning every ``HOROVOD_STALL_CHECK_TIME_SECONDS`` (60 s), as Horovod does for its own.
     """
 
     def __init__(self, named_parameters, ratio=0.01, beta=0.1, warmup_steps=0, min_numel=1024, *,
@@ -89,7 +106,8 @@ class ScaleCom(Compressor):
             ratio=ratio, beta=beta, warmup_steps=warmup_steps, min_numel=min_numel, leader=leader,
             selection=selection, value_dtype=check_dtype_name(value_dtype, "value_dtype", VALUE_DTYPES),
             index_dtype=check_dtype_name(index_dtype, "index_dtype", INDEX_DTYPES), pipelined=pipelined)
-        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+        if timeout is not None and not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+                                        and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
         self.timeout = timeout
         if loss_scaler is not None and not callable(getattr(loss_scaler, "get_scale", None)):
@@ -102,7 +120,7 @@ class ScaleCom(Compressor):
         self._lookup = GradientLookup([s.param for s in self._slots], [s.name for s in self._slots],
                                       "ScaleCom")
         self._by_name = {s.name: s for s in self._slots}
-        self._process_set = process_set
+        self._process_set = check_process_set(process_set)
         self._value_dtype = _TORCH_DTYPES.get(self.config.value_dtype)
         self._posted_through = -1  # last step whose receiving broadcasts were posted
         self._agreed = False  # configurations compared across ranks (at the first compress)
@@ -139,6 +157,7 @@ class ScaleCom(Compressor):
         self._post_receives(t, rank, size)
         slot.step += 1
         wait_from = time.perf_counter()
+        sending = None  # the leader's own broadcast, completed in decompress (never waited for here)
         if slot.posted is not None and slot.posted[0] == t:
             indices = self._wait(slot, t, rank, size)  # posted ahead, or selected a step ago
         elif rank == leader:
@@ -147,8 +166,10 @@ class ScaleCom(Compressor):
             indices = clt_k.select_top_k(p, k, self.config.selection)
             del p
             wait_from += time.perf_counter() - select_from
-            self._synchronize(self._broadcast_async(slot, indices.to(self._index_dtype(numel)), leader),
-                              slot)
+            sending = self._broadcast_async(slot, indices.to(self._index_dtype(numel)), leader)
+            if self.config.pipelined:  # the next step's broadcast of this name starts below
+                self._synchronize(sending, slot)
+                sending = None
         else:
             indices = self._wait(slot, t, rank, size)
         waited = time.perf_counter() - wait_from
@@ -165,7 +186,7 @@ class ScaleCom(Compressor):
             t, index_bytes=k * self.config.index_itemsize(numel), value_bytes=k * values.element_size(),
             uncompressed_bytes=dense_bytes, index_wait_seconds=waited,
             compress_seconds=time.perf_counter() - start - waited)
-        return values, (slot, t, indices, tensor, memory_at_indices, exact_values)
+        return values, (slot, t, indices, tensor, memory_at_indices, exact_values, sending)
 
     def decompress(self, tensor, ctx):
         """The low-pass memory update (deferred to here, where the reduced values tell every rank
@@ -173,7 +194,8 @@ class ScaleCom(Compressor):
         if ctx is None:
             return tensor
         start = time.perf_counter()
-        slot, t, indices, grad, memory_at_indices, exact_values = ctx
+        slot, t, indices, grad, memory_at_indices, exact_values, sending = ctx
+        self._synchronize(sending, slot)  # long done: every rank received it before reducing
         if bool(torch.isfinite(tensor).all()):
             sent = exact_values.to(self._value_dtype or grad.dtype)  # as this rank sent them
             clt_k.filter_memory_(slot.memory, grad, indices, memory_at_indices, exact_values, sent,
@@ -233,16 +255,12 @@ class ScaleCom(Compressor):
             extra = sorted(set(params) - set(self._by_name))
             raise ValueError(f"state does not match the parameters: missing {missing}, unexpected {extra}")
         for name, entry in params.items():
-            memory = entry["memory"]
-            numel = self._by_name[name].param.numel()
-            if memory is not None and memory.numel() != numel:
-                raise ValueError(f"state memory of {name!r} has {memory.numel()} entries, "
-                                 f"the parameter {numel}")
+            check_state_entry(name, entry, self._by_name[name].param.numel(), ("memory",))
         for name, entry in params.items():
             slot = self._by_name[name]
             slot.step = int(entry["step"])
             slot.scale = entry.get("scale")
-            memory = entry["memory"]
+            memory = entry.get("memory")
             slot.memory = None if memory is None else memory.detach().clone().to(slot.param.device)
             slot.posted = slot.expected = None
             if "next_indices" in entry:
@@ -391,17 +409,25 @@ class ScaleCom(Compressor):
         return buffer
 
     def _synchronize(self, handle, slot):
+        """Wait for a broadcast: a warning every ``HOROVOD_STALL_CHECK_TIME_SECONDS`` (60) while it
+        is late, a RuntimeError after ``timeout`` (or ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``)."""
         if handle is None:
             return  # restored from a checkpoint: nothing in flight
-        if self.timeout is not None:
-            deadline = time.monotonic() + self.timeout
-            while not hvd.poll(handle):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"ScaleCom: the leader's indices for {slot.name!r} did not arrive within "
-                        f"{self.timeout} s. Ranks reduce parameters in different orders while "
-                        f"leader='staggered', or a rank stopped training.")
-                time.sleep(1e-4)
+        start = warned = time.monotonic()
+        warn_every, limit = _stall_times(self.timeout)
+        cause = ("Ranks reduce parameters in different orders while leader='staggered', or a rank "
+                 "stopped training.")
+        while not hvd.poll(handle):
+            now = time.monotonic()
+            if limit is not None and now - start > limit:
+                raise RuntimeError(f"ScaleCom: the leader's indices for {slot.name!r} did not arrive "
+                                   f"within {limit:g} s. {cause}")
+            if warn_every is not None and now - warned > warn_every:
+                warned = now
+                print(f"ScaleCom warning: still waiting after {now - start:.0f} s for the leader's "
+                      f"indices for {slot.name!r}. {cause} Set ScaleCom(timeout=...) to raise instead.",
+                      file=sys.stderr, flush=True)
+            time.sleep(1e-4)
         hvd.synchronize(handle)
 
     def _not_yet_reduced(self, index):

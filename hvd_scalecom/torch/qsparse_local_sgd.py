@@ -37,8 +37,9 @@ import horovod.torch as hvd
 
 from hvd_scalecom.baseline_config import QsparseConfig
 from hvd_scalecom.torch import clt_k
-from hvd_scalecom.torch.common import (check_agreement, named_parameter_list, shapes_digest,
-                                       tensors_digest)
+from hvd_scalecom.config import check_int
+from hvd_scalecom.torch.common import (check_agreement, check_process_set, check_state_entry,
+                                       named_parameter_list, shapes_digest, tensors_digest)
 from hvd_scalecom.torch.qsparse_steps import compress_delta_, decode, mean_of_sparse, payload_dtypes
 from hvd_scalecom.traffic import TrafficMeter, allgather_bytes_sent, allreduce_bytes_sent
 
@@ -101,7 +102,7 @@ class QsparseLocalSGD(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups
         self._names = [n for n, _ in pairs]
         self._params = [p for _, p in pairs]
-        self._process_set = process_set
+        self._process_set = check_process_set(process_set)
         self._step = 0  # optimizer steps taken
         self._shared = None  # x_last per parameter (flat, fp32 at least), taken at the first step
         self._memory = [None] * len(self._params)  # m_i per compressed parameter, (1, numel)
@@ -196,20 +197,23 @@ class QsparseLocalSGD(torch.optim.Optimizer):
         if mine.get("config") != self.config.as_dict():
             raise ValueError(f"state was saved with config {mine.get('config')}, this QsparseLocalSGD has "
                              f"{self.config.as_dict()}")
-        params = mine["params"]
+        check_int(mine.get("step"), "state step", 0)
+        generator = mine.get("generator")
+        if not (isinstance(generator, torch.Tensor) and generator.dtype == torch.uint8):
+            raise TypeError(f"state generator must be a torch.ByteTensor (Generator.get_state()), "
+                            f"got {type(generator).__name__}")
+        params = mine.get("params")
+        if not isinstance(params, dict):
+            raise TypeError(f"state params must be a dict, got {type(params).__name__}")
         if set(params) != set(self._names):
             missing = sorted(set(self._names) - set(params))
             extra = sorted(set(params) - set(self._names))
             raise ValueError(f"state does not match the parameters: missing {missing}, unexpected {extra}")
-        have_shared = {params[n]["shared"] is not None for n in self._names}
+        for name, p in zip(self._names, self._params):
+            check_state_entry(name, params[name], p.numel(), ("shared", "memory"), step=False)
+        have_shared = {params[n].get("shared") is not None for n in self._names}
         if len(have_shared) > 1:
             raise ValueError("state holds x_last of some parameters but not of others")
-        for name, p in zip(self._names, self._params):
-            for key in ("shared", "memory"):
-                value = params[name][key]
-                if value is not None and value.numel() != p.numel():
-                    raise ValueError(f"state {key} of {name!r} has {value.numel()} entries, the "
-                                     f"parameter {p.numel()}")
         inner = {k: v for k, v in state_dict.items() if k != _STATE_KEY}
         self.optimizer.load_state_dict(inner)
         self._step = int(mine["step"])
@@ -219,7 +223,7 @@ class QsparseLocalSGD(torch.optim.Optimizer):
                             for n, p in zip(self._names, self._params)]
         else:
             self._shared = None
-        self._memory = [None if params[n]["memory"] is None
+        self._memory = [None if params[n].get("memory") is None
                         else params[n]["memory"].detach().reshape(1, -1).clone().to(p.device)
                         for n, p in zip(self._names, self._params)]
         self._generator.set_state(mine["generator"])

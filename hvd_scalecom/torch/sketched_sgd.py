@@ -40,7 +40,8 @@ from horovod.torch.compression import Compressor
 
 from hvd_scalecom.baseline_config import SketchedSGDConfig
 from hvd_scalecom.torch import clt_k
-from hvd_scalecom.torch.common import GradientLookup, check_agreement, named_parameter_list, shapes_digest
+from hvd_scalecom.torch.common import (GradientLookup, check_agreement, check_process_set,
+                                      check_state_entry, named_parameter_list, shapes_digest)
 from hvd_scalecom.torch.sketch import CountSketch
 from hvd_scalecom.torch.sketched_steps import (accumulate_, applied_update, heavy_candidates,
                                                select_applied, zero_applied_)
@@ -97,7 +98,7 @@ class SketchedSGD(Compressor):
         self._names = [n for n, _ in pairs]
         self._params = [p for _, p in pairs]
         self._lookup = GradientLookup(self._params, self._names, "SketchedSGD")
-        self._process_set = process_set
+        self._process_set = check_process_set(process_set)
         self._sketched = [i for i, p in enumerate(self._params) if self.config.is_sketched(p.shape)]
         self._offset = {}
         numel = 0
@@ -251,23 +252,20 @@ class SketchedSGD(Compressor):
             missing = sorted(set(self._names) - set(params))
             extra = sorted(set(params) - set(self._names))
             raise ValueError(f"state does not match the parameters: missing {missing}, unexpected {extra}")
-        sketched_state = [params[self._names[i]]["momentum"] is not None for i in self._sketched]
+        for i, name in enumerate(self._names):
+            check_state_entry(name, params[name], self._params[i].numel(),
+                              ("momentum", "error") if i in self._offset else ("momentum",))
+        sketched_state = [params[self._names[i]].get("momentum") is not None for i in self._sketched]
         if any(sketched_state) and not all(sketched_state):
             raise ValueError("state holds the momentum of some sketched tensors but not of others")
         for i, name in enumerate(self._names):
             entry = params[name]
-            numel = self._params[i].numel()
-            for key in ("momentum", "error") if i in self._offset else ("momentum",):
-                value = entry.get(key)
-                if value is not None and value.numel() != numel:
-                    raise ValueError(f"state {key} of {name!r} has {value.numel()} entries, "
-                                     f"the parameter {numel}")
             if i in self._offset and (entry.get("momentum") is None) != (entry.get("error") is None):
                 raise ValueError(f"state of {name!r} has momentum or error but not both")
         self._steps = [int(params[name]["step"]) for name in self._names]
         self._dense_u = {i: params[n]["momentum"].detach().reshape(-1).clone().to(self._params[i].device)
                          for i, n in enumerate(self._names)
-                         if i not in self._offset and params[n]["momentum"] is not None}
+                         if i not in self._offset and params[n].get("momentum") is not None}
         if self._sketched and all(sketched_state):
             device = self._params[self._sketched[0]].device
             sketched = [params[self._names[i]] for i in self._sketched]

@@ -35,10 +35,16 @@ class Net(torch.nn.Module):
         self.out = torch.nn.Linear(64, 10)      # weight 640, bias 10
         if opts.get("embedding"):
             self.embed = torch.nn.Embedding(50, 48, sparse=True)
+        if opts.get("tied_embedding"):  # one Parameter in two modules: named_parameters() lists it once
+            self.embed = torch.nn.Embedding(50, 48)
+            self.unembed = torch.nn.Linear(48, 50, bias=False)
+            self.unembed.weight = self.embed.weight
 
     def forward(self, x, tokens=None, detach_out_weight=False):
         if tokens is not None:
             x = x + self.embed(tokens).mean(dim=1)
+        if opts.get("tied_embedding"):  # the tied weight's second use: logits over the tokens
+            x = x + torch.log_softmax(self.unembed(x), dim=1)[:, :48]
         h = torch.tanh(self.hidden(x))
         if detach_out_weight:  # out.weight gets no gradient: Horovod reduces zeros for it later
             return torch.nn.functional.linear(h, self.out.weight.detach(), self.out.bias)
@@ -70,7 +76,7 @@ compression = ScaleCom(
     warmup_steps=opts.get("warmup_steps", 0), min_numel=opts.get("min_numel", 600),
     leader=opts.get("leader", "cyclic"), selection=opts.get("selection", "exact"),
     value_dtype=opts.get("value_dtype"), index_dtype=opts.get("index_dtype", "int32"),
-    pipelined=opts.get("pipelined", False), loss_scaler=scaler, **set_kwargs)
+    pipelined=opts.get("pipelined", False), loss_scaler=scaler, timeout=opts.get("timeout"), **set_kwargs)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=opts.get("momentum", 0.0))
 groups = None
 if opts.get("groups") == "list":
@@ -103,6 +109,7 @@ if opts.get("resume_from"):
     if not opts.get("forget_compression_state"):
         compression.load_state_dict(saved["compression"])
 
+freeze = opts.get("freeze")
 record = {}
 first_step = opts.get("first_step", 0)
 for t in range(first_step, first_step + opts.get("steps", 6)):
@@ -111,24 +118,43 @@ for t in range(first_step, first_step + opts.get("steps", 6)):
         data_gen = torch.Generator().manual_seed(10000 * t + 100 * k + rank)  # resumable data order
         x = torch.randn(16, 48, generator=data_gen).to(params[0].dtype)
         y = torch.randint(0, 10, (16,), generator=data_gen)
-        tokens = torch.randint(0, 50, (16, 3), generator=data_gen) if opts.get("embedding") else None
+        tokens = (torch.randint(0, 50, (16, 3), generator=data_gen)
+                  if opts.get("embedding") or opts.get("tied_embedding") else None)
+        if freeze:  # {"param", "ranks", "from", "to"}: requires_grad off for steps [from, to)
+            frozen = rank in freeze["ranks"] and freeze["from"] <= t < freeze["to"]
+            dict(named)[freeze["param"]].requires_grad_(not frozen)
 
         no_grad = rank == opts.get("no_out_weight_grad_on_rank") and t % 2 == 1
 
+        def split_parts():  # split_backward: one loss term per layer (each reaches one layer only)
+            h = torch.tanh(model.hidden(x))
+            return [torch.nn.functional.cross_entropy(model.out(h.detach()), y),
+                    (h * model.out.weight.detach().sum(dim=0)).mean()]
+
         def loss_fn():
+            if opts.get("split_backward"):
+                return sum(split_parts())
             return torch.nn.functional.cross_entropy(model(x, tokens, no_grad), y)
 
         # This rank's gradient, computed apart so that Horovod's in-place reduction cannot touch it.
-        grads = torch.autograd.grad(loss_fn(), params, allow_unused=True)
-        for acc, g in zip(raw, grads):
+        trainable = [i for i, p in enumerate(params) if p.requires_grad]
+        grads = torch.autograd.grad(loss_fn(), [params[i] for i in trainable], allow_unused=True)
+        for i, g in zip(trainable, grads):
             if g is not None:
-                acc += g.to_dense() if g.is_sparse else g
-        loss = loss_fn()
-        if scaler is not None:
-            scaler.step = t
-            loss = loss * scaler.get_scale()
+                raw[i] += g.to_dense() if g.is_sparse else g
         current_step[0] = t
-        loss.backward()
+        if opts.get("split_backward"):
+            # Two backward passes, one per layer, in a rank-dependent order: the gradient hooks of
+            # hidden.* and out.* fire in opposite orders on even and odd ranks.
+            parts = split_parts()
+            for part in parts if rank % 2 else parts[::-1]:
+                part.backward()
+        else:
+            loss = loss_fn()
+            if scaler is not None:
+                scaler.step = t
+                loss = loss * scaler.get_scale()
+            loss.backward()
         current_step[0] = -1
     if scaler is not None:  # unscale, as GradScaler.unscale_ would
         optimizer.synchronize()
