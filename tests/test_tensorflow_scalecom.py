@@ -116,7 +116,8 @@ def test_function_matches_reference_and_moves_k_values(straight_run):
         kind = ("indices" if "_indices_" in leaf else "warmup dense" if "_dense_" in leaf
                 else "values" if "EnsureShape" in leaf else "initial weights"
                 if leaf.startswith("HorovodBroadcast_") else "eager (end of job)"
-                if leaf == "HorovodAllreduce" else "small dense")  # eager ops carry no name
+                if leaf == "HorovodAllreduce" else "agreement"
+                if leaf == "HorovodAllgather" else "small dense")  # eager ops carry no name
         count[kind] += n
         seen[kind] |= shapes_moved
     assert seen["indices"] == {("int32", f"[{k_hidden}]"), ("int32", f"[{k_out}]")}
@@ -126,6 +127,9 @@ def test_function_matches_reference_and_moves_k_values(straight_run):
     # Per step: 2 value allreduces, 2 index broadcasts after warm-up, 2 dense ones during it.
     assert count["values"] == 2 * steps and count["small dense"] == 2 * steps
     assert count["indices"] == 2 * (steps - warmup) and count["warmup dense"] == 2 * warmup
+    # The configuration check: two allgathers (summary sizes, summaries), once in the job.
+    assert count["agreement"] == 2
+    assert {dtype for dtype, _ in seen["agreement"]} == {"int32", "uint8"}
 
     stats = json.loads(str(results[0]["stats"]))
     assert stats["step"] == steps - 1
@@ -298,3 +302,53 @@ def test_keras_helpers_reject_bad_input(tf_modules):
         DistributedOptimizer(built)
     wrapped = DistributedOptimizer(keras.optimizers.SGD(0.25, momentum=0.5))
     assert isinstance(wrapped, keras.optimizers.SGD) and wrapped.get_config()["momentum"] == 0.5
+
+
+# -- ranks configured differently: one clear error on every rank, in one job per size -------------
+
+AGREEMENT_CASES = {
+    2: [{"label": "ratio", "per_rank": {"1": {"ratio": 0.1}}},
+        {"label": "shapes", "per_rank": {"1": {"hidden": 65}}},
+        {"label": "beta", "per_rank": {"0": {"beta": 0.25}}, "eager": True},
+        {"label": "agree", "steps": 2}],
+    3: [{"label": "beta", "per_rank": {"2": {"beta": 0.25}}},
+        {"label": "shapes", "per_rank": {"0": {"hidden": 65}}, "eager": True},
+        {"label": "ratio", "per_rank": {"1": {"ratio": 0.1}, "2": {"index_exchange": "allreduce"}}},
+        {"label": "agree", "steps": 2, "eager": True}],
+}
+EXPECTED_DIFFERENCE = {"ratio": {2: "ratio", 3: "index_exchange, ratio"},
+                       "beta": {2: "beta", 3: "beta"},
+                       "shapes": {2: "variable_digest", 3: "variable_digest"}}
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_ranks_that_disagree_all_get_one_clear_error(horovod_job, size):
+    """Differing ratio, beta, index exchange or variable shapes (a tf.function step and an eager
+    one): every rank raises the same ValueError at the first step; agreeing ranks train on."""
+    cases = AGREEMENT_CASES[size]
+    results, _ = horovod_job("tf_agreement.py", {"cases": cases}, np=size)
+    assert len(results) == size
+    for case in cases[:-1]:
+        label = case["label"]
+        head = "ScaleCom is configured differently on different ranks"
+        errors = [str(r[f"{label}/error"]) for r in results]
+        assert all(head in e for e in errors), f"{label}: {errors}"
+        # A tf.function step prefixes the traceback of the traced code ("in user code: ...").
+        messages = {e[e.index(head):].strip() for e in errors}
+        assert len(messages) == 1, f"{label}: ranks disagree about the error: {messages}"
+        message = messages.pop()
+        assert message.startswith(f"{head} ({EXPECTED_DIFFERENCE[label][size]} differ): rank 0: "), \
+            message
+        for rank, overrides in case["per_rank"].items():
+            for key, value in overrides.items():
+                if key != "hidden":
+                    assert f"rank {rank}: " in message and f"{key}={value!r}" in message, message
+        if label == "shapes":
+            assert "covers the number, order, shapes and dtypes" in message
+        else:
+            assert "variable_digest" not in message
+    # The agreeing case trains, and its updates are the reference's.
+    assert all(str(r["agree/error"]) == "" for r in results)
+    opts = {"ratio": 0.05, "beta": 0.5, "min_numel": 600}
+    applied, _ = check_against_reference(results, opts, steps=2, label="agree/")
+    assert density(applied[1], "hidden.weight") == pytest.approx(0.05, abs=0.002)

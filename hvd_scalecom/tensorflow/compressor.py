@@ -41,7 +41,9 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 from horovod.tensorflow.compression import Compressor
 
+from hvd_scalecom import agreement
 from hvd_scalecom.config import INDEX_DTYPES, VALUE_DTYPES, ScaleComConfig, check_dtype_name
+from hvd_scalecom.state import check_size, checked_params
 from hvd_scalecom.tensorflow import clt_k
 from hvd_scalecom.traffic import StepTraffic
 
@@ -88,6 +90,11 @@ class ScaleCom(tf.Module, Compressor):
 
     Create it eagerly (outside ``tf.function``), before the first step. ``tf.train.Checkpoint``
     tracks the residue memories and step counters (``compression=scalecom``).
+
+    At its first ``compress`` (the first step, traced or eager) every rank compares its arguments
+    and the number, order, shapes and dtypes of its variables with every other rank's, and all
+    raise the same ValueError if they differ (names are not compared: Keras may number layers
+    differently on different ranks, and gradients are matched to variables by position).
     """
 
     def __init__(self, variables, ratio=0.01, beta=0.1, warmup_steps=0, min_numel=1024, *,
@@ -133,6 +140,7 @@ class ScaleCom(tf.Module, Compressor):
         self.steps = [s.step for s in slots]
         self._cursor_graph = None  # (weak reference to) the graph the last gradient was traced in
         self._cursor = 0
+        self._agreed = False  # configurations compared across ranks (at the first compress)
 
     def __repr__(self):
         return (f"ScaleCom({len(self._slots)} variables, {self.config}, "
@@ -141,10 +149,14 @@ class ScaleCom(tf.Module, Compressor):
     # -- Horovod's compression interface ----------------------------------------------------------
 
     def compress(self, tensor):
-        if isinstance(tensor, tf.IndexedSlices):
-            raise TypeError("ScaleCom compresses dense gradients: pass sparse_as_dense=True to "
-                            "hvd.DistributedGradientTape for embedding-like variables")
-        slot = self._slot_of(tensor)
+        try:
+            if isinstance(tensor, tf.IndexedSlices):
+                raise TypeError("ScaleCom compresses dense gradients: pass sparse_as_dense=True to "
+                                "hvd.DistributedGradientTape for embedding-like variables")
+            slot = self._slot_of(tensor)
+        finally:  # a rank whose variables differ learns it with all the others, not alone
+            if not self._agreed:
+                self._check_agreement()
         if not tensor.dtype.is_floating:
             raise TypeError(f"ScaleCom compresses floating-point gradients; the gradient of "
                             f"{slot.name!r} is {tensor.dtype.name}")
@@ -280,6 +292,33 @@ class ScaleCom(tf.Module, Compressor):
         self._cursor += 1
         return slot
 
+    def _check_agreement(self):
+        """Compare this rank's configuration and variables with every other rank's, once.
+
+        Runs at the first ``compress`` (the first step), eagerly even while Horovod's reduction is
+        being traced: ``tf.init_scope`` lifts the two allgathers (summary sizes, then summaries) out
+        of the graph, so they run once, before any collective of the step, and never become part
+        of the traced step. Every rank traces its first step alike, so every rank gets there.
+        """
+        if not hvd.is_initialized():
+            return  # compress() called outside a Horovod job (nothing to agree with)
+        self._agreed = True
+        summary = {**self.config.as_dict(), "index_exchange": self.index_exchange,
+                   "variables": len(self._slots),
+                   "variable_digest": agreement.digest([[s.dtype.name, list(s.shape)]
+                                                        for s in self._slots])}
+        with tf.init_scope():
+            local = tf.constant(np.frombuffer(agreement.encode(summary), np.uint8))
+            sizes = hvd.allgather(tf.constant([int(local.shape[0])], tf.int32),
+                                  name="scalecom_agreement_sizes", ignore_name_scope=True,
+                                  process_set=self._process_set)
+            gathered = hvd.allgather(local, name="scalecom_agreement", ignore_name_scope=True,
+                                     process_set=self._process_set)
+            chunks = np.split(gathered.numpy(), np.cumsum(sizes.numpy())[:-1])
+        agreement.check_gathered("ScaleCom", [c.tobytes() for c in chunks], {
+            "variable_digest": "(variable_digest covers the number, order, shapes and dtypes of the "
+                               "variables ScaleCom was built with.)"})
+
     # -- checks for helpers -----------------------------------------------------------------------
 
     def check_variables(self, variables):
@@ -357,32 +396,17 @@ class ScaleCom(tf.Module, Compressor):
         A memory of ``None`` for a compressible variable (a state saved before its first compressed
         step by the PyTorch frontend) restores zeros.
         """
-        if not isinstance(state, dict) or "params" not in state or "config" not in state:
-            raise ValueError("state must be a dict returned by ScaleCom.state_dict()")
-        if state["config"] != self.config.as_dict():
-            raise ValueError(f"state was saved with config {state['config']}, this ScaleCom has "
-                             f"{self.config.as_dict()}")
-        params = state["params"]
-        if not isinstance(params, dict) or set(params) != set(self._by_name):
-            names = set(params) if isinstance(params, dict) else set()
-            missing = sorted(set(self._by_name) - names)
-            extra = sorted(names - set(self._by_name))
-            raise ValueError(f"state does not match the variables: missing {missing}, unexpected {extra}")
+        params = checked_params(state, "ScaleCom", self.config.as_dict(), self._by_name, "variables")
         memories = {}
         for name, entry in params.items():
             slot = self._by_name[name]
-            step = entry.get("step") if isinstance(entry, dict) else None
-            if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
-                raise ValueError(f"state step of {name!r} must be an int >= 0, got {step!r}")
             memory = entry.get("memory")
             if memory is not None:
                 memory = np.asarray(memory)
                 if not slot.compressible:
                     raise ValueError(f"state has a memory for {name!r}, which has {slot.numel} "
                                      f"entries (< min_numel) and is never compressed")
-                if memory.size != slot.numel:
-                    raise ValueError(f"state memory of {name!r} has {memory.size} entries, "
-                                     f"the variable {slot.numel}")
+                check_size(name, "memory", memory, slot.numel, "variable")
             memories[name] = memory
         for name, entry in params.items():
             slot = self._by_name[name]

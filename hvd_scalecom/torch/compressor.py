@@ -24,9 +24,11 @@ import torch
 import horovod.torch as hvd
 from horovod.torch.compression import Compressor
 
+from hvd_scalecom.agreement import shapes_digest
 from hvd_scalecom.config import INDEX_DTYPES, VALUE_DTYPES, ScaleComConfig, check_dtype_name
+from hvd_scalecom.state import check_size, checked_params
 from hvd_scalecom.torch import clt_k
-from hvd_scalecom.torch.common import GradientLookup, check_agreement, named_parameter_list, shapes_digest
+from hvd_scalecom.torch.common import GradientLookup, check_agreement, named_parameter_list
 from hvd_scalecom.traffic import TrafficMeter
 
 _TORCH_DTYPES = {
@@ -214,27 +216,15 @@ class ScaleCom(Compressor):
 
     def load_state_dict(self, state):
         """Restore what :meth:`state_dict` returned; checks everything before changing anything."""
-        if not isinstance(state, dict) or "params" not in state or "config" not in state:
-            raise ValueError("state must be a dict returned by ScaleCom.state_dict()")
-        if state["config"] != self.config.as_dict():
-            raise ValueError(f"state was saved with config {state['config']}, this ScaleCom has "
-                             f"{self.config.as_dict()}")
-        params = state["params"]
-        if set(params) != set(self._by_name):
-            missing = sorted(set(self._by_name) - set(params))
-            extra = sorted(set(params) - set(self._by_name))
-            raise ValueError(f"state does not match the parameters: missing {missing}, unexpected {extra}")
+        params = checked_params(state, "ScaleCom", self.config.as_dict(), self._by_name)
         for name, entry in params.items():
-            memory = entry["memory"]
-            numel = self._by_name[name].param.numel()
-            if memory is not None and memory.numel() != numel:
-                raise ValueError(f"state memory of {name!r} has {memory.numel()} entries, "
-                                 f"the parameter {numel}")
+            if entry.get("memory") is not None:
+                check_size(name, "memory", entry["memory"], self._by_name[name].param.numel())
         for name, entry in params.items():
             slot = self._by_name[name]
             slot.step = int(entry["step"])
             slot.scale = entry.get("scale")
-            memory = entry["memory"]
+            memory = entry.get("memory")
             slot.memory = None if memory is None else memory.detach().clone().to(slot.param.device)
             slot.posted = slot.expected = None
             if "next_indices" in entry:

@@ -35,10 +35,10 @@ import time
 import torch
 import horovod.torch as hvd
 
+from hvd_scalecom.agreement import shapes_digest
 from hvd_scalecom.baseline_config import QsparseConfig
 from hvd_scalecom.torch import clt_k
-from hvd_scalecom.torch.common import (check_agreement, named_parameter_list, shapes_digest,
-                                       tensors_digest)
+from hvd_scalecom.torch.common import check_agreement, named_parameter_list, tensors_digest
 from hvd_scalecom.torch.qsparse_steps import compress_delta_, decode, mean_of_sparse, payload_dtypes
 from hvd_scalecom.traffic import TrafficMeter, allgather_bytes_sent, allreduce_bytes_sent
 

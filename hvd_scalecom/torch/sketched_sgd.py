@@ -38,9 +38,11 @@ import torch
 import horovod.torch as hvd
 from horovod.torch.compression import Compressor
 
+from hvd_scalecom.agreement import shapes_digest
 from hvd_scalecom.baseline_config import SketchedSGDConfig
+from hvd_scalecom.state import check_size, checked_params
 from hvd_scalecom.torch import clt_k
-from hvd_scalecom.torch.common import GradientLookup, check_agreement, named_parameter_list, shapes_digest
+from hvd_scalecom.torch.common import GradientLookup, check_agreement, named_parameter_list
 from hvd_scalecom.torch.sketch import CountSketch
 from hvd_scalecom.torch.sketched_steps import (accumulate_, applied_update, heavy_candidates,
                                                select_applied, zero_applied_)
@@ -241,16 +243,7 @@ class SketchedSGD(Compressor):
 
     def load_state_dict(self, state):
         """Restore what :meth:`state_dict` returned; checks everything before changing anything."""
-        if not isinstance(state, dict) or "params" not in state or "config" not in state:
-            raise ValueError("state must be a dict returned by SketchedSGD.state_dict()")
-        if state["config"] != self.config.as_dict():
-            raise ValueError(f"state was saved with config {state['config']}, this SketchedSGD has "
-                             f"{self.config.as_dict()}")
-        params = state["params"]
-        if set(params) != set(self._names):
-            missing = sorted(set(self._names) - set(params))
-            extra = sorted(set(params) - set(self._names))
-            raise ValueError(f"state does not match the parameters: missing {missing}, unexpected {extra}")
+        params = checked_params(state, "SketchedSGD", self.config.as_dict(), self._names)
         sketched_state = [params[self._names[i]]["momentum"] is not None for i in self._sketched]
         if any(sketched_state) and not all(sketched_state):
             raise ValueError("state holds the momentum of some sketched tensors but not of others")
@@ -259,9 +252,8 @@ class SketchedSGD(Compressor):
             numel = self._params[i].numel()
             for key in ("momentum", "error") if i in self._offset else ("momentum",):
                 value = entry.get(key)
-                if value is not None and value.numel() != numel:
-                    raise ValueError(f"state {key} of {name!r} has {value.numel()} entries, "
-                                     f"the parameter {numel}")
+                if value is not None:
+                    check_size(name, key, value, numel)
             if i in self._offset and (entry.get("momentum") is None) != (entry.get("error") is None):
                 raise ValueError(f"state of {name!r} has momentum or error but not both")
         self._steps = [int(params[name]["step"]) for name in self._names]
