@@ -48,6 +48,34 @@ def density(applied_step, name):
     return np.count_nonzero(applied_step[name]) / applied_step[name].size
 
 
+def tensorboard_scalars(log_dir):
+    """{step: {tag: value}} from the TensorBoard event files in ``log_dir``."""
+    import tensorflow as tf
+    scalars = defaultdict(dict)
+    paths = sorted(os.path.join(log_dir, f) for f in os.listdir(log_dir) if ".tfevents." in f)
+    assert paths, f"no event file in {log_dir}"
+    for path in paths:
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                scalars[event.step][value.tag] = float(tf.make_ndarray(value.tensor))
+    return dict(scalars)
+
+
+def check_logged_stats(results, out_dir, steps):
+    """The events each rank wrote at ``steps`` hold stats_scalars() of its stats() there."""
+    from hvd_scalecom.monitor import stats_scalars
+    for rank, r in enumerate(results):
+        logged = tensorboard_scalars(os.path.join(out_dir, f"tb{rank}"))
+        assert sorted(logged) == list(steps), f"rank {rank}"
+        for step in steps:
+            expected = stats_scalars(json.loads(str(r[f"tb_stats/{step}"])))
+            assert set(logged[step]) == set(expected), f"rank {rank}, step {step}"
+            for tag, value in expected.items():  # events store float32
+                assert logged[step][tag] == pytest.approx(value, rel=1e-6, abs=1e-9), \
+                    f"rank {rank}, step {step}, {tag}"
+        assert logged[steps[-1]]["scalecom/sent_bytes"] > 0
+
+
 def timeline_collectives(path):
     """{tensor name: (number of collectives, {(dtype, shape), ...})} from a Horovod timeline.
 
@@ -81,7 +109,7 @@ STRAIGHT = {"ratio": 0.05, "beta": 0.3, "warmup_steps": 2, "min_numel": 600, "mo
 def straight_run(tmp_path_factory):
     from hvd_scalecom.launch import run
     out_dir = tmp_path_factory.mktemp("straight")
-    opts = {**STRAIGHT, "checkpoint_at": 5, "state_round_trip": True}
+    opts = {**STRAIGHT, "checkpoint_at": 5, "state_round_trip": True, "tensorboard": True}
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "tf_scalecom.py")
     run([worker, json.dumps(opts), str(out_dir)], np=2, timeout=300,
         env={"HOROVOD_TIMELINE": str(out_dir / "timeline.json")})
@@ -141,6 +169,15 @@ def test_function_matches_reference_and_moves_k_values(straight_run):
     assert stats["total"]["tensors"] == 4 * steps
 
 
+def test_log_stats_writes_what_stats_returns(straight_run):
+    """log_stats after every step of the tf.function job: TensorBoard holds stats() per step."""
+    results, out_dir = straight_run
+    check_logged_stats(results, out_dir, range(STRAIGHT["steps"]))
+    warm, compressed = tensorboard_scalars(os.path.join(out_dir, "tb0"))[1], \
+        tensorboard_scalars(os.path.join(out_dir, "tb0"))[STRAIGHT["steps"] - 1]
+    assert warm["scalecom/index_bytes"] == 0 and compressed["scalecom/index_bytes"] == 4 * (154 + 32)
+
+
 def test_eager_matches_reference_allreduce_exchange(horovod_job):
     """Eager step (Horovod traces its own reduction function), 3 ranks, beta = 1, indices summed."""
     opts = {"ratio": 0.05, "beta": 1.0, "warmup_steps": 1, "min_numel": 600, "steps": 6,
@@ -170,14 +207,16 @@ def test_staggered_leader_fp16_values_threshold_selection_process_set(horovod_jo
     assert stats["dense_bytes"] == 4 * 10
 
 
-def test_keras_helpers_match_reference(horovod_job):
+def test_keras_helpers_match_reference(horovod_job, tmp_path):
     """One Keras 3 model and one ScaleCom: make_train_step as a tf.function (steps 0-2), eagerly
-    (3-4), then model.fit with DistributedOptimizer (5-6). The applied update is the reference's."""
+    (3-4), then model.fit with DistributedOptimizer (5-6). The applied update is the reference's.
+    The LogStats callback writes stats() during fit, at the optimizer's iterations 1 and 2."""
     opts = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 7,
-            "mode": "keras", "lr": 1.0, "eager_from": 3, "fit_from": 5}
-    results, _ = horovod_job("tf_scalecom.py", opts, np=2)
+            "mode": "keras", "lr": 1.0, "eager_from": 3, "fit_from": 5, "tensorboard": True}
+    results, _ = horovod_job("tf_scalecom.py", opts, np=2, out_dir=tmp_path)
     check_against_reference(results, opts, steps=7, rtol=1e-4, atol=2e-6)
     check_identical_weights(results)
+    check_logged_stats(results, tmp_path, [1, 2])
 
 
 def test_checkpoint_round_trip_continues_identically(horovod_job, straight_run, tmp_path):
@@ -300,6 +339,12 @@ def test_keras_helpers_reject_bad_input(tf_modules):
     built.build(model.trainable_variables)
     with pytest.raises(ValueError, match="not be built"):
         DistributedOptimizer(built)
+    from hvd_scalecom.tensorflow import LogStats
+    with pytest.raises(TypeError, match="compression"):
+        LogStats("scalecom")
+    for every in (0, 1.5, True):
+        with pytest.raises(ValueError, match="every"):
+            LogStats(other, every=every)
     wrapped = DistributedOptimizer(keras.optimizers.SGD(0.25, momentum=0.5))
     assert isinstance(wrapped, keras.optimizers.SGD) and wrapped.get_config()["momentum"] == 0.5
 
