@@ -43,6 +43,7 @@ def parse_args(argv=None):
     ap.add_argument("--selection", choices=["exact", "threshold"], default="exact")
     ap.add_argument("--value-dtype", choices=["float32", "float16"], default=None)
     ap.add_argument("--index-exchange", choices=["broadcast", "allreduce"], default="broadcast")
+    ap.add_argument("--pipelined", action="store_true", help="indices selected one step ahead")
     ap.add_argument("--epochs", type=int, default=25)
     ap.add_argument("--batch-size", type=int, default=32, help="per worker")
     ap.add_argument("--lr", type=float, default=0.05)
@@ -90,7 +91,8 @@ def main(argv=None):
         compression = ScaleCom(model.trainable_variables, ratio=args.ratio, beta=args.beta,
                                warmup_steps=args.warmup_steps, min_numel=args.min_numel,
                                leader=args.leader, selection=args.selection,
-                               value_dtype=args.value_dtype, index_exchange=args.index_exchange)
+                               value_dtype=args.value_dtype, index_exchange=args.index_exchange,
+                               pipelined=args.pipelined)
     elif args.compression == "fp16":
         compression = hvd.Compression.fp16
     else:

@@ -27,7 +27,7 @@ def check_against_reference(results, opts, steps, rtol=2e-5, atol=1e-6, value_dt
     applied, memories = scalecom_reference(
         grads, NAMES, len(results), opts.get("ratio", 0.05), opts.get("beta", 0.5),
         opts.get("warmup_steps", 0), opts.get("min_numel", 600), opts.get("leader", "cyclic"),
-        value_dtype=value_dtype)
+        value_dtype=value_dtype, pipelined=opts.get("pipelined", False))
     for t in range(steps):
         for n in NAMES:
             for rank, r in enumerate(results):
@@ -189,6 +189,30 @@ def test_eager_matches_reference_allreduce_exchange(horovod_job):
     assert density(applied[5], "hidden.weight") == pytest.approx(0.05, abs=0.002)
 
 
+def test_pipelined_matches_reference(horovod_job):
+    """pipelined=True, 2 ranks, staggered leader, 1 warm-up step: step t uses the indices its
+    leader chose at step t - 1 (fresh at the first compressed step); state_dict() holds those chosen
+    for the step after the last one, and a new ScaleCom loading it gives them back."""
+    opts = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 6,
+            "mode": "function", "leader": "staggered", "pipelined": True, "state_round_trip": True}
+    results, _ = horovod_job("tf_scalecom.py", opts, np=2)
+    applied, _ = check_against_reference(results, opts, steps=6)
+    check_identical_weights(results)
+    # Control: these updates are not those of exact (not pipelined) ScaleCom.
+    with pytest.raises(AssertionError):
+        check_against_reference(results, {**opts, "pipelined": False}, steps=6)
+    # The indices waiting for step 6 (leader 6 mod 2 = 0 for variable #0): the top-k of rank 0's
+    # p = m + g at step 5, m being its memory after step 4.
+    grads = [[{n: r[f"raw/{t}/{n}"] for n in NAMES} for r in results] for t in range(6)]
+    _, memories = scalecom_reference(grads[:5], NAMES, 2, 0.05, 0.5, 1, 600, "staggered",
+                                     pipelined=True)
+    p = memories[0]["hidden.weight"] + grads[5][0]["hidden.weight"].reshape(-1)
+    expected = np.sort(np.argsort(-np.abs(p), kind="stable")[:154])
+    for r in results:
+        assert bool(r["state_round_trip"]) and int(r["next_step/hidden.weight"]) == 6
+        np.testing.assert_array_equal(np.sort(r["next_indices/hidden.weight"]), expected)
+
+
 def test_staggered_leader_fp16_values_threshold_selection_process_set(horovod_job):
     """3 ranks, training on the process set {0, 2} (broadcast roots are global ranks), a hidden
     layer of 67,200 entries (so "threshold" runs its sampled path)."""
@@ -317,6 +341,26 @@ def test_load_state_dict_checks_everything_first(tf_modules):
     assert [int(s.numpy()) for s in compression.steps] == [3, 3]
     np.testing.assert_array_equal(compression.memories[0].numpy(), good_memory)
     assert hash(compression) == hash(compression)  # part of Horovod's function cache key
+    # Indices chosen ahead (pipelined) are checked too, and restored.
+    with pytest.raises(ValueError, match="never selects ahead"):
+        compression.load_state_dict({**state, "params": {
+            "w": {"step": 3, "memory": good_memory, "next_indices": (3, np.arange(12))},
+            "b": {"step": 3, "memory": None}}})
+    pipelined = ScaleCom(variables, min_numel=100, pipelined=True)
+    state = pipelined.state_dict()
+    assert "next_indices" not in state["params"]["w"]  # nothing chosen ahead yet
+    for indices, step in [(np.arange(11), 3), (np.arange(12) + 1190, 3), (np.arange(12.0), 3),
+                          (np.arange(12), -2)]:
+        with pytest.raises(ValueError, match="next_indices of 'w'"):
+            pipelined.load_state_dict({**state, "params": {
+                "w": {"step": 3, "memory": good_memory, "next_indices": (step, indices)},
+                "b": {"step": 3, "memory": None}}})
+        assert [int(s.numpy()) for s in pipelined.steps] == [0, 0]
+    pipelined.load_state_dict({**state, "params": {
+        "w": {"step": 3, "memory": good_memory, "next_indices": (3, np.arange(12) * 7)},
+        "b": {"step": 3, "memory": None}}})
+    saved = pipelined.state_dict()["params"]["w"]["next_indices"]
+    assert saved[0] == 3 and list(saved[1]) == list(np.arange(12) * 7)
 
 
 def test_keras_helpers_reject_bad_input(tf_modules):

@@ -55,7 +55,8 @@ def make_compression(variables):
                     warmup_steps=opts.get("warmup_steps", 0), min_numel=opts.get("min_numel", 600),
                     leader=opts.get("leader", "cyclic"), selection=opts.get("selection", "exact"),
                     value_dtype=opts.get("value_dtype"), index_dtype=opts.get("index_dtype", "int32"),
-                    index_exchange=opts.get("index_exchange", "broadcast"), **set_kwargs)
+                    index_exchange=opts.get("index_exchange", "broadcast"),
+                    pipelined=opts.get("pipelined", False), **set_kwargs)
 
 
 if mode == "keras":
@@ -172,7 +173,16 @@ if member and opts.get("state_round_trip"):
             assert again["params"][name]["memory"] is None, name
         else:
             np.testing.assert_array_equal(again["params"][name]["memory"], entry["memory"])
-    record["memory/hidden.weight"] = state["params"][compression._slots[0].name]["memory"]
+        assert ("next_indices" in entry) == ("next_indices" in again["params"][name]), name
+        if "next_indices" in entry:
+            assert again["params"][name]["next_indices"][0] == entry["next_indices"][0], name
+            np.testing.assert_array_equal(again["params"][name]["next_indices"][1],
+                                          entry["next_indices"][1])
+    first = state["params"][compression._slots[0].name]
+    record["memory/hidden.weight"] = first["memory"]
+    if "next_indices" in first:
+        record["next_step/hidden.weight"] = np.array(first["next_indices"][0])
+        record["next_indices/hidden.weight"] = first["next_indices"][1]
     record["state_round_trip"] = np.array(True)
 
 if writer is not None:
