@@ -445,11 +445,13 @@ def test_ranks_that_disagree_all_get_one_clear_error(horovod_job, size):
 
 def test_example_checkpoint_resume_continues_identically(tmp_path):
     """examples/tensorflow_scalecom.py: 2 epochs straight equal 1 epoch, --checkpoint, then --resume
-    in new processes for the second (per-rank ScaleCom memories, model and optimizer restored)."""
+    in new processes for the second (per-rank ScaleCom memories, model and optimizer restored, and,
+    pipelined, the indices chosen for the first step after the checkpoint)."""
     from hvd_scalecom.launch import run
     example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
                            "tensorflow_scalecom.py")
-    common = ["--compression", "scalecom", "--ratio", "0.01", "--beta", "0.5", "--warmup-steps", "3"]
+    common = ["--compression", "scalecom", "--ratio", "0.01", "--beta", "0.5", "--warmup-steps", "3",
+              "--pipelined"]
 
     def result(name, *extra):
         path = tmp_path / f"{name}.json"
