@@ -1,4 +1,4 @@
-"""Train a Keras 3 MLP (166k parameters) on scikit-learn's handwritten digits with ScaleCom and Horovod.
+r"""Train a Keras 3 MLP (166k parameters) on scikit-learn's handwritten digits with ScaleCom and Horovod.
 
     horovodrun -np 2 -H localhost:2 --gloo python examples/tensorflow_scalecom.py --compression scalecom
 
@@ -13,8 +13,10 @@ the model, the optimizer, the epoch and ScaleCom (its residue memories and step 
 ``--resume`` restores each rank's latest checkpoint and trains on to ``--epochs``, with the same
 steps as a run that was never interrupted (same size and arguments)::
 
-    horovodrun -np 2 -H localhost:2 --gloo python examples/tensorflow_scalecom.py --epochs 10 --checkpoint ckpt
-    horovodrun -np 2 -H localhost:2 --gloo python examples/tensorflow_scalecom.py --epochs 25 --checkpoint ckpt --resume
+    horovodrun -np 2 -H localhost:2 --gloo python examples/tensorflow_scalecom.py \
+        --epochs 10 --checkpoint ckpt
+    horovodrun -np 2 -H localhost:2 --gloo python examples/tensorflow_scalecom.py \
+        --epochs 25 --checkpoint ckpt --resume
 """
 
 import argparse

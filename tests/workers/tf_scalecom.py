@@ -1,13 +1,14 @@
 """One rank of a small ScaleCom training run on hvd.DistributedGradientTape under horovodrun.
 
 argv: JSON options, output directory. Writes ``rank<R>.npz`` with, per step t and variable name,
-``raw/<t>/<name>`` (this rank's own gradient, from a plain tape), ``applied/<t>/<name>`` (the reduced
-gradient the update applied), ``final/<name>`` (weights), the compressor's ``stats`` and, with
-``checkpoint_at``, a tf.train.Checkpoint per rank. With ``tensorboard``, each rank writes ``stats()``
-to TensorBoard events in ``tb<R>`` after every step (``log_stats``; the ``LogStats`` callback during
-``model.fit``, at the optimizer's iteration count) and records it as ``tb_stats/<logged step>``. ``mode``: ``"function"`` (the step is a
-tf.function), ``"eager"``, or ``"keras"`` (a Keras 3 model trained by ``make_train_step``, eagerly
-from step ``eager_from``, by ``model.fit`` with ``DistributedOptimizer`` from step ``fit_from``).
+``raw/<t>/<name>`` (this rank's own gradient, from a plain tape), ``applied/<t>/<name>`` (the
+reduced gradient the update applied), ``final/<name>`` (weights), the compressor's ``stats`` and,
+with ``checkpoint_at``, a tf.train.Checkpoint per rank. With ``tensorboard``, each rank writes
+``stats()`` to TensorBoard events in ``tb<R>`` after every step (``log_stats``; the ``LogStats``
+callback during ``model.fit``, at the optimizer's iteration count) and records it as
+``tb_stats/<logged step>``. ``mode``: ``"function"`` (the step is a tf.function), ``"eager"``, or
+``"keras"`` (a Keras 3 model trained by ``make_train_step``, eagerly from step ``eager_from``, by
+``model.fit`` with ``DistributedOptimizer`` from step ``fit_from``).
 """
 
 import json
