@@ -1,4 +1,4 @@
-"""Train a Keras 3 MLP (167k parameters) on scikit-learn's handwritten digits with ScaleCom and Horovod.
+r"""Train a Keras 3 MLP (167k parameters) on scikit-learn's handwritten digits with ScaleCom and Horovod.
 
     horovodrun -np 2 -H localhost:2 --gloo python examples/tensorflow_scalecom.py --compression scalecom
 
@@ -6,10 +6,22 @@ The TensorFlow twin of ``examples/pytorch_scalecom.py``: the same 64-512-256-10 
 and optimizer settings. Each worker trains on its shard of the 1,437 training images; accuracy is
 measured on the 360 held-out ones. Rank 0 prints per-epoch loss, test accuracy and the gradient bytes
 this rank handed to Horovod per step against what dense SGD would have sent.
+
+Checkpoints (``--checkpoint DIR``): after every epoch each rank writes a ``tf.train.Checkpoint`` of
+the model, the optimizer, the epoch and ScaleCom (its residue memories and step counters) to
+``DIR/rank<R>``: the memories differ from rank to rank, so every rank saves and restores its own.
+``--resume`` restores each rank's latest checkpoint and trains on to ``--epochs``, with the same
+steps as a run that was never interrupted (same size and arguments)::
+
+    horovodrun -np 2 -H localhost:2 --gloo python examples/tensorflow_scalecom.py \
+        --epochs 10 --checkpoint ckpt
+    horovodrun -np 2 -H localhost:2 --gloo python examples/tensorflow_scalecom.py \
+        --epochs 25 --checkpoint ckpt --resume
 """
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -30,9 +42,10 @@ def parse_args(argv=None):
     ap.add_argument("--warmup-steps", type=int, default=0)
     ap.add_argument("--min-numel", type=int, default=1024)
     ap.add_argument("--leader", choices=["cyclic", "staggered"], default="cyclic")
-    ap.add_argument("--selection", choices=["exact", "threshold"], default="exact")
+    ap.add_argument("--selection", choices=["exact", "threshold"], default="threshold")
     ap.add_argument("--value-dtype", choices=["float32", "float16"], default=None)
     ap.add_argument("--index-exchange", choices=["broadcast", "allreduce"], default="broadcast")
+    ap.add_argument("--pipelined", action="store_true", help="indices selected one step ahead")
     ap.add_argument("--epochs", type=int, default=25)
     ap.add_argument("--batch-size", type=int, default=32, help="per worker")
     ap.add_argument("--lr", type=float, default=0.05)
@@ -40,7 +53,14 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eager", action="store_true", help="run the train step eagerly")
     ap.add_argument("--result", help="rank 0 writes final figures here as JSON")
-    return ap.parse_args(argv)
+    ap.add_argument("--checkpoint", metavar="DIR", help="each rank checkpoints to DIR/rank<R> after "
+                                                        "every epoch")
+    ap.add_argument("--resume", action="store_true", help="restore the latest checkpoint in "
+                                                          "--checkpoint DIR and train on")
+    args = ap.parse_args(argv)
+    if args.resume and not args.checkpoint:
+        ap.error("--resume needs --checkpoint DIR")
+    return args
 
 
 def digits_split():
@@ -73,7 +93,8 @@ def main(argv=None):
         compression = ScaleCom(model.trainable_variables, ratio=args.ratio, beta=args.beta,
                                warmup_steps=args.warmup_steps, min_numel=args.min_numel,
                                leader=args.leader, selection=args.selection,
-                               value_dtype=args.value_dtype, index_exchange=args.index_exchange)
+                               value_dtype=args.value_dtype, index_exchange=args.index_exchange,
+                               pipelined=args.pipelined)
     elif args.compression == "fp16":
         compression = hvd.Compression.fp16
     else:
@@ -84,6 +105,19 @@ def main(argv=None):
                                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                                  compression, jit=not args.eager)
 
+    # Per rank: the model and optimizer are the same everywhere, ScaleCom's residue memories are not.
+    epoch_done = tf.Variable(0, dtype=tf.int64, trainable=False)
+    tracked = {"compression": compression} if args.compression == "scalecom" else {}
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, epoch=epoch_done, **tracked)
+    manager = None
+    if args.checkpoint:
+        manager = tf.train.CheckpointManager(checkpoint, os.path.join(args.checkpoint, f"rank{rank}"),
+                                             max_to_keep=2)
+    if args.resume:
+        if manager.latest_checkpoint is None:
+            raise FileNotFoundError(f"--resume: no checkpoint in {args.checkpoint}/rank{rank}")
+        checkpoint.restore(manager.latest_checkpoint).assert_existing_objects_matched()
+
     dense_bytes = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
     sent_by_dtype = {"fp16": dense_bytes // 2}.get(args.compression, dense_bytes)
     steps_per_epoch = len(shard_x) // args.batch_size
@@ -92,8 +126,13 @@ def main(argv=None):
         n_params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
         print(f"{args.compression}: {size} workers, {n_params:,} parameters, "
               f"{steps_per_epoch} steps per epoch", flush=True)
+        if args.resume:
+            print(f"resumed from {manager.latest_checkpoint} after epoch {int(epoch_done)}", flush=True)
+    for _ in range(int(epoch_done)):  # the data order of the epochs already trained
+        order_gen.permutation(len(shard_x))
     start = time.perf_counter()
-    for epoch in range(args.epochs):
+    accuracy = mean_loss = sent = reduction = None
+    for epoch in range(int(epoch_done), args.epochs):
         order = order_gen.permutation(len(shard_x))
         total_loss = 0.0
         for step in range(steps_per_epoch):
@@ -110,10 +149,16 @@ def main(argv=None):
             print(f"epoch {epoch + 1:3d}/{args.epochs}  loss {mean_loss:.4f}  test accuracy "
                   f"{100 * accuracy:6.2f}%  gradient bytes/step {sent:9,} vs dense {dense_bytes:,} "
                   f"({reduction:5.1f}x fewer over the run)", flush=True)
+        epoch_done.assign(epoch + 1)
+        if manager is not None:
+            manager.save(checkpoint_number=epoch + 1)
     if rank == 0:
         result = {"compression": args.compression, "workers": size, "accuracy": accuracy,
                   "loss": mean_loss, "sent_bytes_last_step": sent, "dense_bytes_per_step": dense_bytes,
-                  "reduction": reduction, "seconds": time.perf_counter() - start}
+                  "reduction": reduction, "seconds": time.perf_counter() - start,
+                  "epochs": int(epoch_done),
+                  "weights_l2": float(np.sqrt(sum(np.sum(np.square(v.numpy()))
+                                                  for v in model.trainable_variables)))}
         print("result " + json.dumps(result), flush=True)
         if args.result:
             with open(args.result, "w") as f:

@@ -1,7 +1,7 @@
 """hvd_scalecom: ScaleCom gradient compression (Chen et al., NeurIPS 2020) for Horovod.
 
-Framework-neutral parts live here (``config``, ``traffic``); the frontends are ``hvd_scalecom.torch``
-and ``hvd_scalecom.tensorflow``.
+Framework-neutral parts live here (``config``, ``traffic``, ``agreement``, ``state``, ``monitor``);
+the frontends are ``hvd_scalecom.torch`` and ``hvd_scalecom.tensorflow``.
 """
 
 from hvd_scalecom.config import ScaleComConfig

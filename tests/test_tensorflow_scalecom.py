@@ -27,7 +27,7 @@ def check_against_reference(results, opts, steps, rtol=2e-5, atol=1e-6, value_dt
     applied, memories = scalecom_reference(
         grads, NAMES, len(results), opts.get("ratio", 0.05), opts.get("beta", 0.5),
         opts.get("warmup_steps", 0), opts.get("min_numel", 600), opts.get("leader", "cyclic"),
-        value_dtype=value_dtype)
+        value_dtype=value_dtype, pipelined=opts.get("pipelined", False))
     for t in range(steps):
         for n in NAMES:
             for rank, r in enumerate(results):
@@ -46,6 +46,34 @@ def check_identical_weights(results, label=""):
 
 def density(applied_step, name):
     return np.count_nonzero(applied_step[name]) / applied_step[name].size
+
+
+def tensorboard_scalars(log_dir):
+    """{step: {tag: value}} from the TensorBoard event files in ``log_dir``."""
+    import tensorflow as tf
+    scalars = defaultdict(dict)
+    paths = sorted(os.path.join(log_dir, f) for f in os.listdir(log_dir) if ".tfevents." in f)
+    assert paths, f"no event file in {log_dir}"
+    for path in paths:
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                scalars[event.step][value.tag] = float(tf.make_ndarray(value.tensor))
+    return dict(scalars)
+
+
+def check_logged_stats(results, out_dir, steps):
+    """The events each rank wrote at ``steps`` hold stats_scalars() of its stats() there."""
+    from hvd_scalecom.monitor import stats_scalars
+    for rank, r in enumerate(results):
+        logged = tensorboard_scalars(os.path.join(out_dir, f"tb{rank}"))
+        assert sorted(logged) == list(steps), f"rank {rank}"
+        for step in steps:
+            expected = stats_scalars(json.loads(str(r[f"tb_stats/{step}"])))
+            assert set(logged[step]) == set(expected), f"rank {rank}, step {step}"
+            for tag, value in expected.items():  # events store float32
+                assert logged[step][tag] == pytest.approx(value, rel=1e-6, abs=1e-9), \
+                    f"rank {rank}, step {step}, {tag}"
+        assert logged[steps[-1]]["scalecom/sent_bytes"] > 0
 
 
 def timeline_collectives(path):
@@ -81,7 +109,7 @@ STRAIGHT = {"ratio": 0.05, "beta": 0.3, "warmup_steps": 2, "min_numel": 600, "mo
 def straight_run(tmp_path_factory):
     from hvd_scalecom.launch import run
     out_dir = tmp_path_factory.mktemp("straight")
-    opts = {**STRAIGHT, "checkpoint_at": 5, "state_round_trip": True}
+    opts = {**STRAIGHT, "checkpoint_at": 5, "state_round_trip": True, "tensorboard": True}
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "tf_scalecom.py")
     run([worker, json.dumps(opts), str(out_dir)], np=2, timeout=300,
         env={"HOROVOD_TIMELINE": str(out_dir / "timeline.json")})
@@ -116,7 +144,8 @@ def test_function_matches_reference_and_moves_k_values(straight_run):
         kind = ("indices" if "_indices_" in leaf else "warmup dense" if "_dense_" in leaf
                 else "values" if "EnsureShape" in leaf else "initial weights"
                 if leaf.startswith("HorovodBroadcast_") else "eager (end of job)"
-                if leaf == "HorovodAllreduce" else "small dense")  # eager ops carry no name
+                if leaf == "HorovodAllreduce" else "agreement"
+                if leaf == "HorovodAllgather" else "small dense")  # eager ops carry no name
         count[kind] += n
         seen[kind] |= shapes_moved
     assert seen["indices"] == {("int32", f"[{k_hidden}]"), ("int32", f"[{k_out}]")}
@@ -126,6 +155,9 @@ def test_function_matches_reference_and_moves_k_values(straight_run):
     # Per step: 2 value allreduces, 2 index broadcasts after warm-up, 2 dense ones during it.
     assert count["values"] == 2 * steps and count["small dense"] == 2 * steps
     assert count["indices"] == 2 * (steps - warmup) and count["warmup dense"] == 2 * warmup
+    # The configuration check: two allgathers (summary sizes, summaries), once in the job.
+    assert count["agreement"] == 2
+    assert {dtype for dtype, _ in seen["agreement"]} == {"int32", "uint8"}
 
     stats = json.loads(str(results[0]["stats"]))
     assert stats["step"] == steps - 1
@@ -137,6 +169,15 @@ def test_function_matches_reference_and_moves_k_values(straight_run):
     assert stats["total"]["tensors"] == 4 * steps
 
 
+def test_log_stats_writes_what_stats_returns(straight_run):
+    """log_stats after every step of the tf.function job: TensorBoard holds stats() per step."""
+    results, out_dir = straight_run
+    check_logged_stats(results, out_dir, range(STRAIGHT["steps"]))
+    warm, compressed = tensorboard_scalars(os.path.join(out_dir, "tb0"))[1], \
+        tensorboard_scalars(os.path.join(out_dir, "tb0"))[STRAIGHT["steps"] - 1]
+    assert warm["scalecom/index_bytes"] == 0 and compressed["scalecom/index_bytes"] == 4 * (154 + 32)
+
+
 def test_eager_matches_reference_allreduce_exchange(horovod_job):
     """Eager step (Horovod traces its own reduction function), 3 ranks, beta = 1, indices summed."""
     opts = {"ratio": 0.05, "beta": 1.0, "warmup_steps": 1, "min_numel": 600, "steps": 6,
@@ -146,6 +187,30 @@ def test_eager_matches_reference_allreduce_exchange(horovod_job):
     check_identical_weights(results)
     assert density(applied[0], "hidden.weight") == 1.0
     assert density(applied[5], "hidden.weight") == pytest.approx(0.05, abs=0.002)
+
+
+def test_pipelined_matches_reference(horovod_job):
+    """pipelined=True, 2 ranks, staggered leader, 1 warm-up step: step t uses the indices its
+    leader chose at step t - 1 (fresh at the first compressed step); state_dict() holds those chosen
+    for the step after the last one, and a new ScaleCom loading it gives them back."""
+    opts = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 6,
+            "mode": "function", "leader": "staggered", "pipelined": True, "state_round_trip": True}
+    results, _ = horovod_job("tf_scalecom.py", opts, np=2)
+    applied, _ = check_against_reference(results, opts, steps=6)
+    check_identical_weights(results)
+    # Control: these updates are not those of exact (not pipelined) ScaleCom.
+    with pytest.raises(AssertionError):
+        check_against_reference(results, {**opts, "pipelined": False}, steps=6)
+    # The indices waiting for step 6 (leader 6 mod 2 = 0 for variable #0): the top-k of rank 0's
+    # p = m + g at step 5, m being its memory after step 4.
+    grads = [[{n: r[f"raw/{t}/{n}"] for n in NAMES} for r in results] for t in range(6)]
+    _, memories = scalecom_reference(grads[:5], NAMES, 2, 0.05, 0.5, 1, 600, "staggered",
+                                     pipelined=True)
+    p = memories[0]["hidden.weight"] + grads[5][0]["hidden.weight"].reshape(-1)
+    expected = np.sort(np.argsort(-np.abs(p), kind="stable")[:154])
+    for r in results:
+        assert bool(r["state_round_trip"]) and int(r["next_step/hidden.weight"]) == 6
+        np.testing.assert_array_equal(np.sort(r["next_indices/hidden.weight"]), expected)
 
 
 def test_staggered_leader_fp16_values_threshold_selection_process_set(horovod_job):
@@ -166,14 +231,16 @@ def test_staggered_leader_fp16_values_threshold_selection_process_set(horovod_jo
     assert stats["dense_bytes"] == 4 * 10
 
 
-def test_keras_helpers_match_reference(horovod_job):
+def test_keras_helpers_match_reference(horovod_job, tmp_path):
     """One Keras 3 model and one ScaleCom: make_train_step as a tf.function (steps 0-2), eagerly
-    (3-4), then model.fit with DistributedOptimizer (5-6). The applied update is the reference's."""
+    (3-4), then model.fit with DistributedOptimizer (5-6). The applied update is the reference's.
+    The LogStats callback writes stats() during fit, at the optimizer's iterations 1 and 2."""
     opts = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 7,
-            "mode": "keras", "lr": 1.0, "eager_from": 3, "fit_from": 5}
-    results, _ = horovod_job("tf_scalecom.py", opts, np=2)
+            "mode": "keras", "lr": 1.0, "eager_from": 3, "fit_from": 5, "tensorboard": True}
+    results, _ = horovod_job("tf_scalecom.py", opts, np=2, out_dir=tmp_path)
     check_against_reference(results, opts, steps=7, rtol=1e-4, atol=2e-6)
     check_identical_weights(results)
+    check_logged_stats(results, tmp_path, [1, 2])
 
 
 def test_checkpoint_round_trip_continues_identically(horovod_job, straight_run, tmp_path):
@@ -274,6 +341,26 @@ def test_load_state_dict_checks_everything_first(tf_modules):
     assert [int(s.numpy()) for s in compression.steps] == [3, 3]
     np.testing.assert_array_equal(compression.memories[0].numpy(), good_memory)
     assert hash(compression) == hash(compression)  # part of Horovod's function cache key
+    # Indices chosen ahead (pipelined) are checked too, and restored.
+    with pytest.raises(ValueError, match="never selects ahead"):
+        compression.load_state_dict({**state, "params": {
+            "w": {"step": 3, "memory": good_memory, "next_indices": (3, np.arange(12))},
+            "b": {"step": 3, "memory": None}}})
+    pipelined = ScaleCom(variables, min_numel=100, pipelined=True)
+    state = pipelined.state_dict()
+    assert "next_indices" not in state["params"]["w"]  # nothing chosen ahead yet
+    for indices, step in [(np.arange(11), 3), (np.arange(12) + 1190, 3), (np.arange(12.0), 3),
+                          (np.arange(12), -2)]:
+        with pytest.raises(ValueError, match="next_indices of 'w'"):
+            pipelined.load_state_dict({**state, "params": {
+                "w": {"step": 3, "memory": good_memory, "next_indices": (step, indices)},
+                "b": {"step": 3, "memory": None}}})
+        assert [int(s.numpy()) for s in pipelined.steps] == [0, 0]
+    pipelined.load_state_dict({**state, "params": {
+        "w": {"step": 3, "memory": good_memory, "next_indices": (3, np.arange(12) * 7)},
+        "b": {"step": 3, "memory": None}}})
+    saved = pipelined.state_dict()["params"]["w"]["next_indices"]
+    assert saved[0] == 3 and list(saved[1]) == list(np.arange(12) * 7)
 
 
 def test_keras_helpers_reject_bad_input(tf_modules):
@@ -296,5 +383,90 @@ def test_keras_helpers_reject_bad_input(tf_modules):
     built.build(model.trainable_variables)
     with pytest.raises(ValueError, match="not be built"):
         DistributedOptimizer(built)
+    from hvd_scalecom.tensorflow import LogStats
+    with pytest.raises(TypeError, match="compression"):
+        LogStats("scalecom")
+    for every in (0, 1.5, True):
+        with pytest.raises(ValueError, match="every"):
+            LogStats(other, every=every)
     wrapped = DistributedOptimizer(keras.optimizers.SGD(0.25, momentum=0.5))
     assert isinstance(wrapped, keras.optimizers.SGD) and wrapped.get_config()["momentum"] == 0.5
+
+
+# -- ranks configured differently: one clear error on every rank, in one job per size -------------
+
+AGREEMENT_CASES = {
+    2: [{"label": "ratio", "per_rank": {"1": {"ratio": 0.1}}},
+        {"label": "shapes", "per_rank": {"1": {"hidden": 65}}},
+        {"label": "beta", "per_rank": {"0": {"beta": 0.25}}, "eager": True},
+        {"label": "agree", "steps": 2}],
+    3: [{"label": "beta", "per_rank": {"2": {"beta": 0.25}}},
+        {"label": "shapes", "per_rank": {"0": {"hidden": 65}}, "eager": True},
+        {"label": "ratio", "per_rank": {"1": {"ratio": 0.1}, "2": {"index_exchange": "allreduce"}}},
+        {"label": "agree", "steps": 2, "eager": True}],
+}
+EXPECTED_DIFFERENCE = {"ratio": {2: "ratio", 3: "index_exchange, ratio"},
+                       "beta": {2: "beta", 3: "beta"},
+                       "shapes": {2: "variable_digest", 3: "variable_digest"}}
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_ranks_that_disagree_all_get_one_clear_error(horovod_job, size):
+    """Differing ratio, beta, index exchange or variable shapes (a tf.function step and an eager
+    one): every rank raises the same ValueError at the first step; agreeing ranks train on."""
+    cases = AGREEMENT_CASES[size]
+    results, _ = horovod_job("tf_agreement.py", {"cases": cases}, np=size)
+    assert len(results) == size
+    for case in cases[:-1]:
+        label = case["label"]
+        head = "ScaleCom is configured differently on different ranks"
+        errors = [str(r[f"{label}/error"]) for r in results]
+        assert all(head in e for e in errors), f"{label}: {errors}"
+        # A tf.function step prefixes the traceback of the traced code ("in user code: ...").
+        messages = {e[e.index(head):].strip() for e in errors}
+        assert len(messages) == 1, f"{label}: ranks disagree about the error: {messages}"
+        message = messages.pop()
+        assert message.startswith(f"{head} ({EXPECTED_DIFFERENCE[label][size]} differ): rank 0: "), \
+            message
+        for rank, overrides in case["per_rank"].items():
+            for key, value in overrides.items():
+                if key != "hidden":
+                    assert f"rank {rank}: " in message and f"{key}={value!r}" in message, message
+        if label == "shapes":
+            assert "covers the number, order, shapes and dtypes" in message
+        else:
+            assert "variable_digest" not in message
+    # The agreeing case trains, and its updates are the reference's.
+    assert all(str(r["agree/error"]) == "" for r in results)
+    opts = {"ratio": 0.05, "beta": 0.5, "min_numel": 600}
+    applied, _ = check_against_reference(results, opts, steps=2, label="agree/")
+    assert density(applied[1], "hidden.weight") == pytest.approx(0.05, abs=0.002)
+
+
+def test_example_checkpoint_resume_continues_identically(tmp_path):
+    """examples/tensorflow_scalecom.py: 2 epochs straight equal 1 epoch, --checkpoint, then --resume
+    in new processes for the second (per-rank ScaleCom memories, model and optimizer restored, and,
+    pipelined, the indices chosen for the first step after the checkpoint)."""
+    from hvd_scalecom.launch import run
+    example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                           "tensorflow_scalecom.py")
+    common = ["--compression", "scalecom", "--ratio", "0.01", "--beta", "0.5", "--warmup-steps", "3",
+              "--pipelined"]
+
+    def result(name, *extra):
+        path = tmp_path / f"{name}.json"
+        output = run([example, *common, "--result", str(path), *extra], np=2, timeout=300)
+        with open(path) as f:
+            return json.load(f), output
+
+    straight, _ = result("straight", "--epochs", "2")
+    first, _ = result("first", "--epochs", "1", "--checkpoint", str(tmp_path / "ckpt"))
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["rank0", "rank1"]
+    resumed, output = result("resumed", "--epochs", "2", "--checkpoint", str(tmp_path / "ckpt"),
+                             "--resume")
+    assert "after epoch 1" in output and first["epochs"] == 1 and resumed["epochs"] == 2
+    # Dense reductions may be fused differently from run to run: sums may differ in the last bit.
+    assert resumed["loss"] == pytest.approx(straight["loss"], rel=1e-5)
+    assert resumed["weights_l2"] == pytest.approx(straight["weights_l2"], rel=1e-6)
+    assert resumed["accuracy"] == straight["accuracy"]
+    assert resumed["loss"] != pytest.approx(first["loss"], rel=1e-3)  # it did train on

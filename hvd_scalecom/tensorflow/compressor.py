@@ -20,6 +20,11 @@ Decisions that depend on the step are graph conditionals with static shapes on e
   Sum-allreduce instead (same result; one op, twice the index bytes on the wire).
 * the graph is the same on every rank, and ScaleCom's own collectives use ``ignore_name_scope``:
   Horovod keys collectives by node names, which carry counters of the functions TF inlines.
+* pipelined (``pipelined=True``): the leader of step t + 1 selects its top-k from this step's
+  ``p = m + g`` and shares them in this step; they wait in a variable for step t + 1. The values of
+  step t depend only on indices already there, so the exchange for t + 1 overlaps the values'
+  allreduce instead of preceding it. A step finds no indices waiting (the first compressed step, a
+  state restored without them) and exchanges fresh ones instead.
 * warm-up: the tensor Horovod reduces is always the k-sized value vector. During warm-up steps
   ScaleCom averages the whole gradient itself (``hvd.allreduce``, ``Average``) and Horovod's allreduce
   carries k zeros; ``decompress`` returns the dense average.
@@ -41,7 +46,9 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 from horovod.tensorflow.compression import Compressor
 
+from hvd_scalecom import agreement
 from hvd_scalecom.config import INDEX_DTYPES, VALUE_DTYPES, ScaleComConfig, check_dtype_name
+from hvd_scalecom.state import check_size, checked_params
 from hvd_scalecom.tensorflow import clt_k
 from hvd_scalecom.traffic import StepTraffic
 
@@ -66,6 +73,8 @@ class _Slot:
         self.step = None  # steps this variable has been reduced in (t), int64
         self.tally = None  # [dense steps, compressed steps] reduced by this process, int64
         self.timing = None  # [TIMING_STEPS + 1, 2] seconds (compute, index wait); last row: totals
+        self.next_indices = None  # pipelined: the indices selected for step ahead_step
+        self.ahead_step = None  # pipelined: the step next_indices are for (-1: none), int64
 
 
 class ScaleCom(tf.Module, Compressor):
@@ -79,25 +88,34 @@ class ScaleCom(tf.Module, Compressor):
         warmup_steps: steps (counted from 0) reduced densely first.
         min_numel: variables with fewer entries are always reduced densely.
         leader: ``"cyclic"`` (``t mod size``) or ``"staggered"`` (``(t + variable index) mod size``).
-        selection: ``"exact"`` or ``"threshold"`` top-k (same indices; see ``clt_k.select_top_k``).
+        selection: ``"threshold"`` (default) or ``"exact"`` top-k: the same indices (see
+            ``clt_k.select_top_k``), "threshold" found faster on large tensors.
         value_dtype: dtype the selected values travel in, e.g. ``tf.float16`` (default: the
             gradient's dtype).
         index_dtype: ``tf.int32`` (default; int64 for tensors of 2**31 entries or more) or ``tf.int64``.
         process_set: the Horovod process set the tape reduces over (default: all ranks).
         index_exchange: ``"broadcast"`` (default) or ``"allreduce"``: how the leader's indices travel.
+        pipelined: use indices the leader selected one step earlier, so that their exchange overlaps
+            the values' allreduce (see ``ScaleComConfig``); off by default: exact ScaleCom.
 
     Create it eagerly (outside ``tf.function``), before the first step. ``tf.train.Checkpoint``
     tracks the residue memories and step counters (``compression=scalecom``).
+
+    At its first ``compress`` (the first step, traced or eager) every rank compares its arguments
+    and the number, order, shapes and dtypes of its variables with every other rank's, and all
+    raise the same ValueError if they differ (names are not compared: Keras may number layers
+    differently on different ranks, and gradients are matched to variables by position).
     """
 
     def __init__(self, variables, ratio=0.01, beta=0.1, warmup_steps=0, min_numel=1024, *,
-                 leader="cyclic", selection="exact", value_dtype=None, index_dtype=tf.int32,
-                 process_set=None, index_exchange="broadcast"):
+                 leader="cyclic", selection="threshold", value_dtype=None, index_dtype=tf.int32,
+                 process_set=None, index_exchange="broadcast", pipelined=False):
         config = ScaleComConfig(
             ratio=ratio, beta=beta, warmup_steps=warmup_steps, min_numel=min_numel, leader=leader,
             selection=selection,
             value_dtype=check_dtype_name(_dtype_text(value_dtype), "value_dtype", VALUE_DTYPES),
-            index_dtype=check_dtype_name(_dtype_text(index_dtype), "index_dtype", INDEX_DTYPES))
+            index_dtype=check_dtype_name(_dtype_text(index_dtype), "index_dtype", INDEX_DTYPES),
+            pipelined=pipelined)
         if process_set is None:
             process_set = hvd.global_process_set
         elif not isinstance(process_set, hvd.ProcessSet):
@@ -121,6 +139,12 @@ class ScaleCom(tf.Module, Compressor):
             if slot.compressible:
                 slot.memory = tf.Variable(tf.zeros([slot.numel], clt_k.memory_dtype(dtype)),
                                           trainable=False, name=f"memory_{index}")
+                if config.pipelined:
+                    slot.next_indices = tf.Variable(
+                        tf.zeros([slot.k], config.index_dtype_for(slot.numel)), trainable=False,
+                        name=f"next_indices_{index}")
+                    slot.ahead_step = tf.Variable(-1, dtype=tf.int64, trainable=False,
+                                                  name=f"ahead_step_{index}")
             slot.step = tf.Variable(0, dtype=tf.int64, trainable=False, name=f"step_{index}")
             slot.tally = tf.Variable([0, 0], dtype=tf.int64, trainable=False, name=f"tally_{index}")
             slot.timing = tf.Variable(tf.zeros([TIMING_STEPS + 1, 2], tf.float64), trainable=False,
@@ -131,8 +155,11 @@ class ScaleCom(tf.Module, Compressor):
         # What tf.train.Checkpoint saves: memories of compressible variables, every step counter.
         self.memories = [s.memory for s in slots if s.compressible]
         self.steps = [s.step for s in slots]
+        if config.pipelined:  # and the indices already chosen for the next step
+            self.pipeline = [v for s in slots if s.compressible for v in (s.next_indices, s.ahead_step)]
         self._cursor_graph = None  # (weak reference to) the graph the last gradient was traced in
         self._cursor = 0
+        self._agreed = False  # configurations compared across ranks (at the first compress)
 
     def __repr__(self):
         return (f"ScaleCom({len(self._slots)} variables, {self.config}, "
@@ -141,10 +168,14 @@ class ScaleCom(tf.Module, Compressor):
     # -- Horovod's compression interface ----------------------------------------------------------
 
     def compress(self, tensor):
-        if isinstance(tensor, tf.IndexedSlices):
-            raise TypeError("ScaleCom compresses dense gradients: pass sparse_as_dense=True to "
-                            "hvd.DistributedGradientTape for embedding-like variables")
-        slot = self._slot_of(tensor)
+        try:
+            if isinstance(tensor, tf.IndexedSlices):
+                raise TypeError("ScaleCom compresses dense gradients: pass sparse_as_dense=True to "
+                                "hvd.DistributedGradientTape for embedding-like variables")
+            slot = self._slot_of(tensor)
+        finally:  # a rank whose variables differ learns it with all the others, not alone
+            if not self._agreed:
+                self._check_agreement()
         if not tensor.dtype.is_floating:
             raise TypeError(f"ScaleCom compresses floating-point gradients; the gradient of "
                             f"{slot.name!r} is {tensor.dtype.name}")
@@ -190,11 +221,17 @@ class ScaleCom(tf.Module, Compressor):
         row = tf.cast(t % TIMING_STEPS, tf.int32)
 
         def compressed():
-            indices, wait_from = self._exchange_indices(slot, tensor, leader, rank, size, index_dtype,
-                                                        start)
+            indices, wait_from = self._indices_for_step(slot, tensor, t, leader, rank, size,
+                                                        index_dtype, start)
             received, indices = _stamp(indices)
-            values = clt_k.take_and_filter_memory(slot.memory, tensor, indices, self.config.beta,
-                                                  sent_dtype)
+            selected = []
+            if self.config.pipelined:
+                selected = [self._select_ahead(slot, tensor, t, rank, size, index_dtype)]
+            # The memory is updated once the leader has read p for its selection ahead (but the
+            # values need not wait for that exchange).
+            with tf.control_dependencies(selected):
+                values = clt_k.take_and_filter_memory(slot.memory, tensor, indices, self.config.beta,
+                                                      sent_dtype)
             end, values = _stamp(values, received)
             self._record(slot, row, (wait_from - start) + (end - received), received - wait_from,
                          compressed=True)
@@ -218,14 +255,51 @@ class ScaleCom(tf.Module, Compressor):
         values = tf.ensure_shape(values, [slot.k])
         return values, (slot, t, indices, dense, in_warmup)
 
-    def _exchange_indices(self, slot, tensor, leader, rank, size, index_dtype, start):
-        """The leader's top-k indices on every rank, and when this rank started waiting for them
-        (no earlier than ``start``).
+    def _indices_for_step(self, slot, tensor, t, leader, rank, size, index_dtype, start):
+        """The indices of step ``t`` on every rank, and when this rank started waiting for them:
+        those selected a step ago when pipelined and there, else the leader's fresh top-k."""
+
+        def fresh():
+            return self._exchange_indices(slot, tensor, leader, rank, size, index_dtype, start,
+                                          f"{self._prefix}_indices_{slot.index}")
+
+        if not self.config.pipelined:
+            return fresh()
+
+        def waiting():
+            indices = slot.next_indices.read_value()
+            wait_from, indices = _stamp(indices, start)
+            return indices, wait_from
+
+        indices, wait_from = tf.cond(tf.equal(slot.ahead_step, t), waiting, fresh)
+        return tf.ensure_shape(indices, [slot.k]), wait_from
+
+    def _select_ahead(self, slot, tensor, t, rank, size, index_dtype):
+        """Pipelined: the leader of step ``t + 1`` selects from this step's ``p`` and shares its
+        indices now; every rank keeps them for step ``t + 1``. Returns this rank's selection (the
+        exchange and the store run as side effects of the step)."""
+        offset = slot.index if self.config.leader == "staggered" else 0
+        leader = tf.cast((t + 1 + offset) % size, tf.int32)
+        mine = self._leader_choice(slot, tensor, leader, rank, index_dtype)
+        indices = self._share(slot, mine, leader, rank, size, index_dtype,
+                              f"{self._prefix}_ahead_{slot.index}")
+        with tf.control_dependencies([slot.next_indices.assign(indices)]):
+            slot.ahead_step.assign(t + 1)
+        return mine
+
+    def _exchange_indices(self, slot, tensor, leader, rank, size, index_dtype, start, name):
+        """The leader's top-k indices of ``p = m + g`` on every rank, and when this rank started
+        waiting for them (no earlier than ``start``).
 
         The graph is the same on every rank (the leader test is a runtime ``tf.cond``): Horovod keys
         collectives by node names, which carry counters of the functions TF inlines before them.
         """
-        name = f"{self._prefix}_indices_{slot.index}"
+        mine = self._leader_choice(slot, tensor, leader, rank, index_dtype)
+        wait_from, mine = _stamp(mine, start)
+        return self._share(slot, mine, leader, rank, size, index_dtype, name), wait_from
+
+    def _leader_choice(self, slot, tensor, leader, rank, index_dtype):
+        """The top-k indices of ``p = m + g`` on the leader; a placeholder elsewhere."""
 
         def leader_top_k():
             p = clt_k.error_compensated(slot.memory, tensor)
@@ -236,12 +310,14 @@ class ScaleCom(tf.Module, Compressor):
             # (stateless) Horovod op with constant input at optimisation time, and block there.
             return tf.fill([slot.k], tf.cast(leader, index_dtype))
 
-        mine = tf.cond(tf.equal(leader, rank), leader_top_k, not_leader)
-        wait_from, mine = _stamp(mine, start)
+        return tf.cond(tf.equal(leader, rank), leader_top_k, not_leader)
+
+    def _share(self, slot, mine, leader, rank, size, index_dtype, name):
+        """``mine`` of the ``leader`` on every rank (a broadcast, or a Sum-allreduce)."""
         if self.index_exchange == "allreduce":
             indices = hvd.allreduce(mine * tf.cast(tf.equal(leader, rank), index_dtype), op=hvd.Sum,
                                     name=name, ignore_name_scope=True, process_set=self._process_set)
-            return tf.ensure_shape(indices, [slot.k]), wait_from
+            return tf.ensure_shape(indices, [slot.k])
 
         global_ranks = self._process_set.ranks  # Horovod takes the root as a global rank
 
@@ -251,8 +327,7 @@ class ScaleCom(tf.Module, Compressor):
                                      name=name, ignore_name_scope=True, process_set=self._process_set)
             return branch
 
-        indices = tf.switch_case(leader, [from_root(r) for r in range(size)])
-        return tf.ensure_shape(indices, [slot.k]), wait_from
+        return tf.ensure_shape(tf.switch_case(leader, [from_root(r) for r in range(size)]), [slot.k])
 
     def _record(self, slot, row, compute_seconds, wait_seconds, compressed):
         seconds = tf.stack([compute_seconds, wait_seconds])
@@ -279,6 +354,33 @@ class ScaleCom(tf.Module, Compressor):
                 f"model.trainable_variables])).")
         self._cursor += 1
         return slot
+
+    def _check_agreement(self):
+        """Compare this rank's configuration and variables with every other rank's, once.
+
+        Runs at the first ``compress`` (the first step), eagerly even while Horovod's reduction is
+        being traced: ``tf.init_scope`` lifts the two allgathers (summary sizes, then summaries) out
+        of the graph, so they run once, before any collective of the step, and never become part
+        of the traced step. Every rank traces its first step alike, so every rank gets there.
+        """
+        if not hvd.is_initialized():
+            return  # compress() called outside a Horovod job (nothing to agree with)
+        self._agreed = True
+        summary = {**self.config.as_dict(), "index_exchange": self.index_exchange,
+                   "variables": len(self._slots),
+                   "variable_digest": agreement.digest([[s.dtype.name, list(s.shape)]
+                                                        for s in self._slots])}
+        with tf.init_scope():
+            local = tf.constant(np.frombuffer(agreement.encode(summary), np.uint8))
+            sizes = hvd.allgather(tf.constant([int(local.shape[0])], tf.int32),
+                                  name="scalecom_agreement_sizes", ignore_name_scope=True,
+                                  process_set=self._process_set)
+            gathered = hvd.allgather(local, name="scalecom_agreement", ignore_name_scope=True,
+                                     process_set=self._process_set)
+            chunks = np.split(gathered.numpy(), np.cumsum(sizes.numpy())[:-1])
+        agreement.check_gathered("ScaleCom", [c.tobytes() for c in chunks], {
+            "variable_digest": "(variable_digest covers the number, order, shapes and dtypes of the "
+                               "variables ScaleCom was built with.)"})
 
     # -- checks for helpers -----------------------------------------------------------------------
 
@@ -343,13 +445,16 @@ class ScaleCom(tf.Module, Compressor):
                            value_bytes=value_bytes, uncompressed_bytes=full, tensors=1)
 
     def state_dict(self):
-        """Residue memories (NumPy) and step counters by variable name, and the configuration."""
-        return {
-            "config": self.config.as_dict(),
-            "params": {s.name: {"step": int(s.step.numpy()),
-                                "memory": None if s.memory is None else s.memory.numpy().copy()}
-                       for s in self._slots},
-        }
+        """Residue memories (NumPy), step counters and (pipelined) the indices already chosen for
+        the next step, as ``next_indices: (step, indices)``, by variable name, and the configuration."""
+        params = {}
+        for s in self._slots:
+            step = int(s.step.numpy())
+            entry = {"step": step, "memory": None if s.memory is None else s.memory.numpy().copy()}
+            if s.ahead_step is not None and int(s.ahead_step.numpy()) == step:
+                entry["next_indices"] = (step, s.next_indices.numpy().copy())
+            params[s.name] = entry
+        return {"config": self.config.as_dict(), "params": params}
 
     def load_state_dict(self, state):
         """Restore what :meth:`state_dict` returned; checks everything before changing anything.
@@ -357,33 +462,20 @@ class ScaleCom(tf.Module, Compressor):
         A memory of ``None`` for a compressible variable (a state saved before its first compressed
         step by the PyTorch frontend) restores zeros.
         """
-        if not isinstance(state, dict) or "params" not in state or "config" not in state:
-            raise ValueError("state must be a dict returned by ScaleCom.state_dict()")
-        if state["config"] != self.config.as_dict():
-            raise ValueError(f"state was saved with config {state['config']}, this ScaleCom has "
-                             f"{self.config.as_dict()}")
-        params = state["params"]
-        if not isinstance(params, dict) or set(params) != set(self._by_name):
-            names = set(params) if isinstance(params, dict) else set()
-            missing = sorted(set(self._by_name) - names)
-            extra = sorted(names - set(self._by_name))
-            raise ValueError(f"state does not match the variables: missing {missing}, unexpected {extra}")
-        memories = {}
+        params = checked_params(state, "ScaleCom", self.config.as_dict(), self._by_name, "variables")
+        memories, ahead = {}, {}
         for name, entry in params.items():
             slot = self._by_name[name]
-            step = entry.get("step") if isinstance(entry, dict) else None
-            if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
-                raise ValueError(f"state step of {name!r} must be an int >= 0, got {step!r}")
             memory = entry.get("memory")
             if memory is not None:
                 memory = np.asarray(memory)
                 if not slot.compressible:
                     raise ValueError(f"state has a memory for {name!r}, which has {slot.numel} "
                                      f"entries (< min_numel) and is never compressed")
-                if memory.size != slot.numel:
-                    raise ValueError(f"state memory of {name!r} has {memory.size} entries, "
-                                     f"the variable {slot.numel}")
+                check_size(name, "memory", memory, slot.numel, "variable")
             memories[name] = memory
+            if "next_indices" in entry:
+                ahead[name] = self._checked_next_indices(slot, entry["next_indices"])
         for name, entry in params.items():
             slot = self._by_name[name]
             slot.step.assign(int(entry["step"]))
@@ -393,8 +485,31 @@ class ScaleCom(tf.Module, Compressor):
                 memory = memories[name]
                 slot.memory.assign(np.zeros(slot.numel) if memory is None else memory.reshape(-1)
                                    .astype(slot.memory.dtype.as_numpy_dtype))
+            if slot.ahead_step is not None:
+                step, indices = ahead.get(name, (-1, None))
+                if indices is not None:
+                    slot.next_indices.assign(indices.astype(slot.next_indices.dtype.as_numpy_dtype))
+                slot.ahead_step.assign(step)
         self._cursor_graph = None
         self._cursor = 0
+
+
+    def _checked_next_indices(self, slot, value):
+        """``(step, indices)`` of a pipelined state entry, checked; ValueError naming the variable."""
+        if not self.config.pipelined or not slot.compressible:
+            raise ValueError(f"state has next_indices for {slot.name!r}, which this ScaleCom never "
+                             f"selects ahead (pipelined=False or fewer than min_numel entries)")
+        if not (isinstance(value, (tuple, list)) and len(value) == 2):
+            raise ValueError(f"state next_indices of {slot.name!r} must be (step, indices)")
+        step, indices = value[0], np.asarray(value[1])
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise ValueError(f"state next_indices of {slot.name!r}: step must be an int >= 0, "
+                             f"got {step!r}")
+        if indices.shape != (slot.k,) or indices.dtype.kind not in "iu" \
+                or not np.all((indices >= 0) & (indices < slot.numel)):
+            raise ValueError(f"state next_indices of {slot.name!r} must be {slot.k} integers in "
+                             f"[0, {slot.numel})")
+        return int(step), indices
 
 
 def _scaled(traffic, times):

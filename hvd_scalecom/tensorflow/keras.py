@@ -22,7 +22,8 @@ import horovod.tensorflow as hvd
 from hvd_scalecom.config import check_int
 from hvd_scalecom.tensorflow.compressor import ScaleCom
 
-__all__ = ["gradient_sources", "make_train_step", "DistributedOptimizer", "BroadcastInitialState"]
+__all__ = ["gradient_sources", "make_train_step", "DistributedOptimizer", "BroadcastInitialState",
+           "LogStats"]
 
 
 def gradient_sources(variables):
@@ -151,6 +152,26 @@ def _check_compression(compression):
                                         and callable(getattr(compression, "decompress", None))):
         raise TypeError(f"compression must be a ScaleCom, a Horovod compression (with compress and "
                         f"decompress) or None, got {compression!r}")
+
+
+class LogStats(keras.callbacks.Callback):
+    """Writes ``compression.stats()`` to TensorBoard (``log_stats``) after every ``every``-th batch
+    of ``fit``, at the step ``model.optimizer.iterations`` (the steps applied so far)."""
+
+    def __init__(self, compression, writer=None, every=1):
+        super().__init__()
+        if not callable(getattr(compression, "stats", None)):
+            raise TypeError(f"compression must have a stats() method (ScaleCom), got "
+                            f"{type(compression).__name__}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be an int >= 1, got {every!r}")
+        self.compression, self.writer, self.every = compression, writer, every
+
+    def on_train_batch_end(self, batch, logs=None):
+        step = int(self.model.optimizer.iterations.numpy())
+        if step % self.every == 0:
+            from hvd_scalecom.tensorflow import log_stats
+            log_stats(self.writer, self.compression, step)
 
 
 def _mean_loss(loss_fn, y, prediction, sample_weight):

@@ -6,10 +6,10 @@ Used by the ScaleCom compressor, :mod:`hvd_scalecom.torch.sketched_sgd` and
 """
 
 import hashlib
-import json
 
 import torch
 
+from hvd_scalecom import agreement
 from hvd_scalecom.config import check_int
 
 _USAGE = "named_parameters must be an iterable of (name, parameter) pairs, such as model.named_parameters()"
@@ -122,11 +122,6 @@ class GradientLookup:
         self._last = None
 
 
-def shapes_digest(named_shapes):
-    """A short digest of ``[(name, shape)]`` (names and shapes of the parameters, in order)."""
-    return hashlib.sha256(json.dumps([[n, list(s)] for n, s in named_shapes]).encode()).hexdigest()[:16]
-
-
 def tensors_digest(tensors):
     """A short digest of the tensors' values (bit for bit)."""
     h = hashlib.sha256()
@@ -137,7 +132,8 @@ def tensors_digest(tensors):
 
 def check_agreement(scheme, summary, process_set=None, hints=None):
     """Every rank hands in its ``summary`` (a JSON-able dict); all ranks raise the same ValueError,
-    naming the keys that differ and each rank's values, when the summaries differ.
+    naming the keys that differ and each rank's values, when the summaries differ
+    (:mod:`hvd_scalecom.agreement`).
 
     Blocking: call it at a point every rank reaches without waiting on anything else (the first
     ``compress`` of a step, the first ``step()``). ``hints``: ``{key: sentence}`` added to the message
@@ -145,23 +141,10 @@ def check_agreement(scheme, summary, process_set=None, hints=None):
     """
     import horovod.torch as hvd
 
-    text = json.dumps(summary, sort_keys=True)
-    local = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
+    local = torch.frombuffer(bytearray(agreement.encode(summary)), dtype=torch.uint8)
     kwargs = {} if process_set is None else {"process_set": process_set}
     prefix = f"{scheme.lower()}.agreement"
     sizes = hvd.allgather(torch.tensor([local.numel()]), name=f"{prefix}.sizes", **kwargs)
     gathered = hvd.allgather(local, name=prefix, **kwargs)
-    texts = [bytes(chunk.tolist()).decode() for chunk in torch.split(gathered, sizes.tolist())]
-    if len(set(texts)) > 1:
-        raise ValueError(describe_disagreement(scheme, texts, hints or {}))
-
-
-def describe_disagreement(scheme, texts, hints):
-    summaries = [json.loads(t) for t in texts]
-    keys = sorted(set().union(*summaries))
-    differing = [k for k in keys if len({json.dumps(s.get(k)) for s in summaries}) > 1]
-    per_rank = "; ".join(f"rank {r}: " + ", ".join(f"{k}={s.get(k)!r}" for k in differing)
-                         for r, s in enumerate(summaries))
-    extra = "".join(f" {hints[k]}" for k in differing if k in hints)
-    return f"{scheme} is configured differently on different ranks ({', '.join(differing)} differ): " \
-           f"{per_rank}.{extra}"
+    agreement.check_gathered(scheme, [c.numpy().tobytes() for c in torch.split(gathered, sizes.tolist())],
+                             hints)

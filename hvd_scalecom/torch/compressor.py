@@ -31,10 +31,12 @@ import torch
 import horovod.torch as hvd
 from horovod.torch.compression import Compressor
 
+from hvd_scalecom.agreement import shapes_digest
 from hvd_scalecom.config import INDEX_DTYPES, VALUE_DTYPES, ScaleComConfig, check_dtype_name
+from hvd_scalecom.state import checked_params
 from hvd_scalecom.torch import clt_k
 from hvd_scalecom.torch.common import (GradientLookup, check_agreement, check_process_set,
-                                      check_state_entry, named_parameter_list, shapes_digest)
+                                      check_state_entry, named_parameter_list)
 from hvd_scalecom.traffic import TrafficMeter
 
 _TORCH_DTYPES = {
@@ -244,18 +246,9 @@ class ScaleCom(Compressor):
 
     def load_state_dict(self, state):
         """Restore what :meth:`state_dict` returned; checks everything before changing anything."""
-        if not isinstance(state, dict) or "params" not in state or "config" not in state:
-            raise ValueError("state must be a dict returned by ScaleCom.state_dict()")
-        if state["config"] != self.config.as_dict():
-            raise ValueError(f"state was saved with config {state['config']}, this ScaleCom has "
-                             f"{self.config.as_dict()}")
-        params = state["params"]
-        if set(params) != set(self._by_name):
-            missing = sorted(set(self._by_name) - set(params))
-            extra = sorted(set(params) - set(self._by_name))
-            raise ValueError(f"state does not match the parameters: missing {missing}, unexpected {extra}")
+        params = checked_params(state, "ScaleCom", self.config.as_dict(), self._by_name)
         for name, entry in params.items():
-            check_state_entry(name, entry, self._by_name[name].param.numel(), ("memory",))
+            check_state_entry(name, entry, self._by_name[name].param.numel(), ("memory",), step=False)
         for name, entry in params.items():
             slot = self._by_name[name]
             slot.step = int(entry["step"])

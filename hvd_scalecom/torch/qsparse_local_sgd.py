@@ -35,11 +35,12 @@ import time
 import torch
 import horovod.torch as hvd
 
+from hvd_scalecom.agreement import shapes_digest
 from hvd_scalecom.baseline_config import QsparseConfig
 from hvd_scalecom.torch import clt_k
 from hvd_scalecom.config import check_int
 from hvd_scalecom.torch.common import (check_agreement, check_process_set, check_state_entry,
-                                       named_parameter_list, shapes_digest, tensors_digest)
+                                       named_parameter_list, tensors_digest)
 from hvd_scalecom.torch.qsparse_steps import compress_delta_, decode, mean_of_sparse, payload_dtypes
 from hvd_scalecom.traffic import TrafficMeter, allgather_bytes_sent, allreduce_bytes_sent
 

@@ -38,10 +38,12 @@ import torch
 import horovod.torch as hvd
 from horovod.torch.compression import Compressor
 
+from hvd_scalecom.agreement import shapes_digest
 from hvd_scalecom.baseline_config import SketchedSGDConfig
+from hvd_scalecom.state import checked_params
 from hvd_scalecom.torch import clt_k
 from hvd_scalecom.torch.common import (GradientLookup, check_agreement, check_process_set,
-                                      check_state_entry, named_parameter_list, shapes_digest)
+                                      check_state_entry, named_parameter_list)
 from hvd_scalecom.torch.sketch import CountSketch
 from hvd_scalecom.torch.sketched_steps import (accumulate_, applied_update, heavy_candidates,
                                                select_applied, zero_applied_)
@@ -242,19 +244,11 @@ class SketchedSGD(Compressor):
 
     def load_state_dict(self, state):
         """Restore what :meth:`state_dict` returned; checks everything before changing anything."""
-        if not isinstance(state, dict) or "params" not in state or "config" not in state:
-            raise ValueError("state must be a dict returned by SketchedSGD.state_dict()")
-        if state["config"] != self.config.as_dict():
-            raise ValueError(f"state was saved with config {state['config']}, this SketchedSGD has "
-                             f"{self.config.as_dict()}")
-        params = state["params"]
-        if set(params) != set(self._names):
-            missing = sorted(set(self._names) - set(params))
-            extra = sorted(set(params) - set(self._names))
-            raise ValueError(f"state does not match the parameters: missing {missing}, unexpected {extra}")
+        params = checked_params(state, "SketchedSGD", self.config.as_dict(), self._names)
         for i, name in enumerate(self._names):
             check_state_entry(name, params[name], self._params[i].numel(),
-                              ("momentum", "error") if i in self._offset else ("momentum",))
+                              ("momentum", "error") if i in self._offset else ("momentum",),
+                              step=False)
         sketched_state = [params[self._names[i]].get("momentum") is not None for i in self._sketched]
         if any(sketched_state) and not all(sketched_state):
             raise ValueError("state holds the momentum of some sketched tensors but not of others")

@@ -1,11 +1,14 @@
 """One rank of a small ScaleCom training run on hvd.DistributedGradientTape under horovodrun.
 
 argv: JSON options, output directory. Writes ``rank<R>.npz`` with, per step t and variable name,
-``raw/<t>/<name>`` (this rank's own gradient, from a plain tape), ``applied/<t>/<name>`` (the reduced
-gradient the update applied), ``final/<name>`` (weights), the compressor's ``stats`` and, with
-``checkpoint_at``, a tf.train.Checkpoint per rank. ``mode``: ``"function"`` (the step is a
-tf.function), ``"eager"``, or ``"keras"`` (a Keras 3 model trained by ``make_train_step``, eagerly
-from step ``eager_from``, by ``model.fit`` with ``DistributedOptimizer`` from step ``fit_from``).
+``raw/<t>/<name>`` (this rank's own gradient, from a plain tape), ``applied/<t>/<name>`` (the
+reduced gradient the update applied), ``final/<name>`` (weights), the compressor's ``stats`` and,
+with ``checkpoint_at``, a tf.train.Checkpoint per rank. With ``tensorboard``, each rank writes
+``stats()`` to TensorBoard events in ``tb<R>`` after every step (``log_stats``; the ``LogStats``
+callback during ``model.fit``, at the optimizer's iteration count) and records it as
+``tb_stats/<logged step>``. ``mode``: ``"function"`` (the step is a tf.function), ``"eager"``, or
+``"keras"`` (a Keras 3 model trained by ``make_train_step``, eagerly from step ``eager_from``, by
+``model.fit`` with ``DistributedOptimizer`` from step ``fit_from``).
 """
 
 import json
@@ -16,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 import horovod.tensorflow as hvd
-from hvd_scalecom.tensorflow import ScaleCom
+from hvd_scalecom.tensorflow import ScaleCom, log_stats
 
 tf.config.threading.set_intra_op_parallelism_threads(1)
 opts = json.loads(sys.argv[1])
@@ -31,6 +34,8 @@ HIDDEN = opts.get("hidden", 64)
 SHAPES = [(48, HIDDEN), (HIDDEN,), (HIDDEN, 10), (10,)]  # 3072, 64, 640, 10 entries by default
 LR = opts.get("lr", 0.1)
 mode = opts.get("mode", "function")
+writer = tf.summary.create_file_writer(os.path.join(out_dir, f"tb{rank}")) if opts.get("tensorboard") \
+    else None
 
 
 def batch(t):
@@ -51,12 +56,13 @@ def make_compression(variables):
                     warmup_steps=opts.get("warmup_steps", 0), min_numel=opts.get("min_numel", 600),
                     leader=opts.get("leader", "cyclic"), selection=opts.get("selection", "exact"),
                     value_dtype=opts.get("value_dtype"), index_dtype=opts.get("index_dtype", "int32"),
-                    index_exchange=opts.get("index_exchange", "broadcast"), **set_kwargs)
+                    index_exchange=opts.get("index_exchange", "broadcast"),
+                    pipelined=opts.get("pipelined", False), **set_kwargs)
 
 
 if mode == "keras":
     import keras
-    from hvd_scalecom.tensorflow import (BroadcastInitialState, DistributedOptimizer,
+    from hvd_scalecom.tensorflow import (BroadcastInitialState, DistributedOptimizer, LogStats,
                                          gradient_sources, make_train_step)
 
     keras.utils.set_random_seed(0)
@@ -109,11 +115,19 @@ def train(first_step, steps, record, compression_used, label=""):
         before = [w.numpy() for w in weights]
         if mode != "keras":
             applied = [g.numpy() for g in step(x, y)]
+            if writer is not None and not label:
+                log_stats(writer, compression_used, t)
+                record[f"tb_stats/{t}"] = np.array(json.dumps(compression_used.stats()))
         else:
             if t >= opts.get("fit_from", 10**9):
                 callbacks = [BroadcastInitialState()] if t == opts["fit_from"] else []
+                if writer is not None:
+                    callbacks.append(LogStats(compression_used, writer))
                 model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
                           callbacks=callbacks)
+                if writer is not None:
+                    iterations = int(model.optimizer.iterations.numpy())
+                    record[f"tb_stats/{iterations}"] = np.array(json.dumps(compression_used.stats()))
             else:
                 (eager_step if t >= opts.get("eager_from", 10**9) else train_step)(x, y)
             applied = [(b - w.numpy()) / LR for b, w in zip(before, weights)]  # SGD, no momentum
@@ -160,9 +174,20 @@ if member and opts.get("state_round_trip"):
             assert again["params"][name]["memory"] is None, name
         else:
             np.testing.assert_array_equal(again["params"][name]["memory"], entry["memory"])
-    record["memory/hidden.weight"] = state["params"][compression._slots[0].name]["memory"]
+        assert ("next_indices" in entry) == ("next_indices" in again["params"][name]), name
+        if "next_indices" in entry:
+            assert again["params"][name]["next_indices"][0] == entry["next_indices"][0], name
+            np.testing.assert_array_equal(again["params"][name]["next_indices"][1],
+                                          entry["next_indices"][1])
+    first = state["params"][compression._slots[0].name]
+    record["memory/hidden.weight"] = first["memory"]
+    if "next_indices" in first:
+        record["next_step/hidden.weight"] = np.array(first["next_indices"][0])
+        record["next_indices/hidden.weight"] = first["next_indices"][1]
     record["state_round_trip"] = np.array(True)
 
+if writer is not None:
+    writer.flush()
 if member:
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **record)
 hvd.allreduce(tf.constant(0.0), name="worker_done")  # nobody shuts Horovod down while others train

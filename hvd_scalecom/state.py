@@ -1,0 +1,35 @@
+"""Framework-neutral checks of a ``state_dict()`` before a compressor loads it, so that a bad state is
+refused before anything changes (ScaleCom in both frontends, Sketched SGD)."""
+
+import math
+
+import numpy as np
+
+from hvd_scalecom.config import check_int
+
+
+def checked_params(state, scheme, config, names, what="parameters"):
+    """``state["params"]`` after checking the layout, the configuration (``config``: this object's
+    ``as_dict()``), the entry names against ``names``, and each entry's ``step`` (an int >= 0)."""
+    if not isinstance(state, dict) or "params" not in state or "config" not in state:
+        raise ValueError(f"state must be a dict returned by {scheme}.state_dict()")
+    if state["config"] != config:
+        raise ValueError(f"state was saved with config {state['config']}, this {scheme} has {config}")
+    params, expected = state["params"], set(names)
+    got = set(params) if isinstance(params, dict) else set()
+    if not isinstance(params, dict) or got != expected:
+        raise ValueError(f"state does not match the {what}: missing {sorted(expected - got)}, "
+                         f"unexpected {sorted(got - expected)}")
+    for name, entry in params.items():
+        if not isinstance(entry, dict):
+            raise TypeError(f"state entry of {name!r} must be a dict, got {type(entry).__name__}")
+        check_int(entry.get("step"), f"state step of {name!r}", 0)
+    return params
+
+
+def check_size(name, key, value, numel, what="parameter"):
+    """ValueError unless ``value`` (a tensor or array) has ``numel`` entries."""
+    shape = getattr(value, "shape", None)
+    size = math.prod(shape) if shape is not None else int(np.size(value))
+    if size != numel:
+        raise ValueError(f"state {key} of {name!r} has {size} entries, the {what} {numel}")

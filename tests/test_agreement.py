@@ -1,0 +1,69 @@
+"""The framework-neutral parts of the cross-rank configuration check and of state loading."""
+
+import json
+
+import numpy as np
+import pytest
+
+from hvd_scalecom import agreement
+from hvd_scalecom.config import ScaleComConfig
+from hvd_scalecom.state import check_size, checked_params
+
+
+def test_equal_summaries_pass_whatever_the_key_order():
+    a = agreement.encode({"ratio": 0.01, "beta": 0.1})
+    b = agreement.encode({"beta": 0.1, "ratio": 0.01})
+    agreement.check_gathered("ScaleCom", [a, b, bytearray(a)])
+
+
+def test_disagreement_names_the_keys_and_every_ranks_values():
+    base = {**ScaleComConfig().as_dict(), "parameter_digest": agreement.shapes_digest([("w", (3, 4))])}
+    other = {**base, "ratio": 0.02, "parameter_digest": agreement.shapes_digest([("w", (3, 5))])}
+    gathered = [agreement.encode(s) for s in (base, base, other)]
+    with pytest.raises(ValueError) as error:
+        agreement.check_gathered("ScaleCom", gathered, {"parameter_digest": "(names and shapes)",
+                                                        "beta": "(not shown)"})
+    text = str(error.value)
+    assert text.startswith("ScaleCom is configured differently on different ranks "
+                           "(parameter_digest, ratio differ): rank 0: parameter_digest=")
+    assert f"rank 2: parameter_digest={other['parameter_digest']!r}, ratio=0.02." in text
+    assert "rank 1: parameter_digest=" in text and "ratio=0.01" in text
+    assert text.endswith(" (names and shapes)")
+    assert base["parameter_digest"] != other["parameter_digest"]
+
+
+def test_digests_depend_on_every_shape_and_name():
+    shapes = [("a", (2, 3)), ("b", (4,))]
+    assert agreement.shapes_digest(shapes) == agreement.shapes_digest([("a", [2, 3]), ("b", [4])])
+    for changed in ([("a", (3, 2)), ("b", (4,))], [("a", (2, 3))], [("b", (4,)), ("a", (2, 3))],
+                    [("a", (2, 3)), ("c", (4,))]):
+        assert agreement.shapes_digest(changed) != agreement.shapes_digest(shapes)
+    assert len(agreement.digest(json.loads('[["float32", [2, 3]]]'))) == 16
+
+
+def test_checked_params_refuses_bad_states():
+    config = ScaleComConfig().as_dict()
+    good = {"config": config, "params": {"w": {"step": 3, "memory": None}, "b": {"step": np.int64(0)}}}
+    assert checked_params(good, "ScaleCom", config, ["w", "b"]) is good["params"]
+    cases = [
+        ([], "state must be a dict returned by ScaleCom.state_dict"),
+        ({"params": {}}, "state must be a dict"),
+        ({**good, "config": {**config, "beta": 0.5}}, "saved with config"),
+        ({**good, "params": {"w": {"step": 1}}}, "the variables: missing \\['b'\\], unexpected \\[\\]"),
+        ({**good, "params": {**good["params"], "x": {"step": 1}}}, "unexpected \\['x'\\]"),
+        ({**good, "params": [1]}, "missing \\['b', 'w'\\]"),
+        ({**good, "params": {"w": {"step": -1}, "b": {"step": 0}}}, "step of 'w' must be an int >= 0"),
+        ({**good, "params": {"w": {"step": True}, "b": {"step": 0}}}, "step of 'w'"),
+        ({**good, "params": {"w": {"step": 1.0}, "b": {"step": 0}}}, "step of 'w'"),
+        ({**good, "params": {"w": 3, "b": {"step": 0}}}, "step of 'w'"),
+    ]
+    for state, message in cases:
+        with pytest.raises(ValueError, match=message):
+            checked_params(state, "ScaleCom", config, ["w", "b"], "variables")
+
+
+def test_check_size_counts_entries_of_arrays_and_lists():
+    check_size("w", "memory", np.zeros((3, 4)), 12)
+    check_size("w", "memory", [1.0, 2.0], 2)
+    with pytest.raises(ValueError, match="state memory of 'w' has 12 entries, the variable 13"):
+        check_size("w", "memory", np.zeros((3, 4)), 13, "variable")

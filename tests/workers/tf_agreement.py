@@ -1,0 +1,81 @@
+"""One rank of a job where ranks may build ScaleCom (TF) differently, case after case.
+
+argv: JSON options, output directory. ``opts["cases"]``: a list of ``{"label", "per_rank": {rank:
+{ScaleCom argument overrides, or "hidden": width}}, "eager": bool, "steps": n}``. Each case builds
+new variables and a new ScaleCom and trains ``steps`` steps through ``hvd.DistributedGradientTape``
+(a tf.function step unless ``eager``). Writes ``rank<R>.npz`` with ``<label>/error`` (the ValueError
+text, empty when the case trained) and, per step t and variable name, ``<label>/raw/<t>/<name>``
+(this rank's own gradient) and ``<label>/applied/<t>/<name>`` (the reduced gradient applied).
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+import horovod.tensorflow as hvd
+from hvd_scalecom.tensorflow import ScaleCom
+
+tf.config.threading.set_intra_op_parallelism_threads(1)
+opts = json.loads(sys.argv[1])
+out_dir = sys.argv[2]
+hvd.init()
+rank = hvd.rank()
+NAMES = ["hidden.weight", "hidden.bias", "out.weight", "out.bias"]
+DEFAULTS = {"ratio": 0.05, "beta": 0.5, "min_numel": 600}
+
+
+def batch(t):
+    gen = np.random.RandomState(10000 * t + rank)
+    return (tf.constant(gen.randn(16, 48).astype(np.float32)),
+            tf.constant(gen.randint(0, 10, size=16).astype(np.int32)))
+
+
+def loss_of(weights, x, y):
+    w1, b1, w2, b2 = weights
+    logits = tf.matmul(tf.tanh(tf.matmul(x, w1) + b1), w2) + b2
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+
+
+def run_case(index, case, record):
+    label = case["label"]
+    args = {**DEFAULTS, **case.get("per_rank", {}).get(str(rank), {})}
+    hidden = args.pop("hidden", 64)
+    gen = np.random.RandomState(index)  # the same initial weights on ranks of the same shapes
+    weights = [tf.Variable(0.2 * gen.randn(*s).astype(np.float32))
+               for s in [(48, hidden), (hidden,), (hidden, 10), (10,)]]
+    compression = ScaleCom(weights, **args)
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_of(weights, x, y)
+        grads = hvd.DistributedGradientTape(tape, compression=compression).gradient(loss, weights)
+        for w, g in zip(weights, grads):
+            w.assign_sub(0.1 * g)
+        return grads
+
+    if not case.get("eager"):
+        step = tf.function(step)
+    try:
+        for t in range(case.get("steps", 1)):
+            x, y = batch(t)
+            with tf.GradientTape() as tape:
+                loss = loss_of(weights, x, y)
+            raw = tape.gradient(loss, weights)
+            applied = step(x, y)
+            for name, r, a in zip(NAMES, raw, applied):
+                record[f"{label}/raw/{t}/{name}"] = r.numpy()
+                record[f"{label}/applied/{t}/{name}"] = a.numpy()
+        record[f"{label}/error"] = np.array("")
+    except ValueError as error:
+        record[f"{label}/error"] = np.array(str(error))
+
+
+record = {}
+for index, case in enumerate(opts["cases"]):
+    run_case(index, case, record)
+np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **record)
+hvd.allreduce(tf.constant(0.0), name="worker_done")
+print(f"rank {rank} done", flush=True)
