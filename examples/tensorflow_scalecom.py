@@ -53,6 +53,7 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eager", action="store_true", help="run the train step eagerly")
     ap.add_argument("--result", help="rank 0 writes final figures here as JSON")
+    ap.add_argument("--progress", action="store_true", help="a progress bar per epoch (rank 0)")
     ap.add_argument("--checkpoint", metavar="DIR", help="each rank checkpoints to DIR/rank<R> after "
                                                         "every epoch")
     ap.add_argument("--resume", action="store_true", help="restore the latest checkpoint in "
@@ -135,7 +136,11 @@ def main(argv=None):
     for epoch in range(int(epoch_done), args.epochs):
         order = order_gen.permutation(len(shard_x))
         total_loss = 0.0
-        for step in range(steps_per_epoch):
+        steps = range(steps_per_epoch)
+        if args.progress and rank == 0:
+            from tqdm import tqdm
+            steps = tqdm(steps, desc=f"epoch {epoch + 1}", leave=False, file=sys.stdout)
+        for step in steps:
             batch = order[step * args.batch_size:(step + 1) * args.batch_size]
             total_loss += float(train_step(shard_x[batch], shard_y[batch]))
         mean_loss = float(hvd.allreduce(tf.constant(total_loss / steps_per_epoch), name="epoch_loss"))

@@ -28,3 +28,12 @@ def test_frontends_smoke(tmp_path):
     rows = json.loads((tmp_path / "frontends.json").read_text())["rows"]
     assert {r["framework"] for r in rows} == {"pytorch", "tensorflow"}
     assert all(0.0 <= r["accuracy"] <= 1.0 and r["reduction"] > 10 for r in rows)
+
+
+def test_tf_index_exchange_smoke(tmp_path):
+    out = tmp_path / "tf_index_exchange.md"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.tf_index_exchange", "--smoke", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    row = [line for line in out.read_text().splitlines() if line.startswith("| 2 |")]
+    assert len(row) == 1 and row[0].count("%") == 2

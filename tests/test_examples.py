@@ -1,9 +1,11 @@
-"""The PyTorch example under horovodrun: a run resumed from its checkpoint ends exactly where an
-uninterrupted run ends (model, optimizer, data order and each rank's residue memory restored)."""
+"""The examples under horovodrun: a PyTorch run resumed from its checkpoint ends exactly where an
+uninterrupted run ends (model, optimizer, data order and each rank's residue memory restored), and
+both examples draw a progress bar on rank 0 only."""
 
 import json
 import os
 
+import pytest
 import torch
 
 from hvd_scalecom.launch import run
@@ -33,3 +35,12 @@ def test_resume_from_checkpoint_matches_an_uninterrupted_run(tmp_path):
     name = "0.weight"
     assert memories[0][name]["step"] == memories[1][name]["step"] == straight["steps"]
     assert not torch.equal(memories[0][name]["memory"], memories[1][name]["memory"])
+
+
+@pytest.mark.parametrize("example", ["pytorch_scalecom.py", "tensorflow_scalecom.py"])
+def test_progress_bar_on_rank_0(example):
+    output = run([os.path.join(ROOT, "examples", example), "--epochs", "1", "--progress"], np=2,
+                 timeout=300)
+    # tqdm redraws with carriage returns: horovodrun prefixes the rank once per newline
+    assert "[0]<stdout>:epoch 1:" in output and "epoch 1: 100%" in output
+    assert "[1]<stdout>:epoch 1:" not in output

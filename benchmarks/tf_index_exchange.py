@@ -1,0 +1,88 @@
+"""What the TensorFlow compressor's two ways of sharing the leader's indices cost in time: one
+broadcast per possible root under ``tf.switch_case`` (``index_exchange="broadcast"``, the default)
+against a Sum-allreduce where non-leaders contribute zeros (``"allreduce"``, (n - 1) times the index
+bytes, as the TensorFlow tests measure). Writes ``docs/tf_index_exchange.md``.
+
+    .venv/bin/python -m benchmarks.tf_index_exchange            # 2 and 3 workers, 3 epochs, 3 repeats
+    .venv/bin/python -m benchmarks.tf_index_exchange --smoke    # 2 workers, 1 epoch, 1 repeat
+
+Each job is ``horovodrun -np N`` of ``examples/tensorflow_scalecom.py --epochs E --index-exchange X``
+(the digits MLP, ScaleCom at ratio 0.01); the two settings alternate, and the table gives the median
+training time of each and their ratio. Both settings compute the same update (the tests check both
+against the reference), so the accuracy is printed only as a check.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+from hvd_scalecom.launch import run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "tensorflow_scalecom.py")
+MODES = ("broadcast", "allreduce")
+
+
+def job(workers, mode, epochs):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "result.json")
+        run([EXAMPLE, "--compression", "scalecom", "--epochs", str(epochs), "--index-exchange", mode,
+             "--result", path], np=workers, timeout=1800)
+        with open(path) as f:
+            return json.load(f)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="2 workers, 1 epoch, 1 repeat")
+    ap.add_argument("--workers", type=int, nargs="+", default=[2, 3])
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "tf_index_exchange.md"))
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.workers, args.epochs, args.repeats = [2], 1, 1
+    rows = []
+    for workers in args.workers:
+        times = {m: [] for m in MODES}
+        results = {}
+        for _ in range(args.repeats):
+            for mode in MODES:
+                r = job(workers, mode, args.epochs)
+                times[mode].append(r["seconds"])
+                results[mode] = r
+                print(f"{workers} workers {mode:9s} {r['seconds']:7.2f} s  accuracy "
+                      f"{100 * r['accuracy']:.2f}%", flush=True)
+        med = {m: statistics.median(times[m]) for m in MODES}
+        rows.append({"workers": workers, "median_seconds": med, "seconds": times,
+                     "accuracy": {m: results[m]["accuracy"] for m in MODES}})
+    command = "python -m benchmarks.tf_index_exchange" + (" --smoke" if args.smoke else "")
+    lines = [
+        "# TensorFlow: broadcast under tf.switch_case against an index allreduce",
+        "",
+        f"Made by `{command}`: `horovodrun -np N` of `examples/tensorflow_scalecom.py --epochs "
+        f"{args.epochs}` (digits MLP, ScaleCom at ratio 0.01, one thread per worker, Gloo) with each "
+        f"`index_exchange`, alternating, {args.repeats} run(s) of each; training time as the example "
+        "measures it (its epochs, evaluation included), median over runs; both settings compute the "
+        "same update.",
+        "",
+        "| workers | broadcast (switch_case), s | allreduce, s | allreduce / broadcast | runs (broadcast; allreduce) | accuracy (broadcast, allreduce) |",
+        "|---:|---:|---:|---:|---|---|",
+    ]
+    for r in rows:
+        b, a = r["median_seconds"]["broadcast"], r["median_seconds"]["allreduce"]
+        lines.append(f"| {r['workers']} | {b:.2f} | {a:.2f} | {a / b:.2f}x | "
+                     f"{', '.join(f'{x:.1f}' for x in r['seconds']['broadcast'])}; "
+                     f"{', '.join(f'{x:.1f}' for x in r['seconds']['allreduce'])} | "
+                     f"{100 * r['accuracy']['broadcast']:.2f}%, {100 * r['accuracy']['allreduce']:.2f}% |")
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {args.out}")
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
