@@ -36,9 +36,24 @@ def _scalecom(hvd, model, kwargs):
     return ScaleCom(model.named_parameters(), **kwargs)
 
 
+def _sketched(hvd, model, kwargs):
+    from hvd_scalecom.torch import SketchedSGD
+    return SketchedSGD(model.named_parameters(), **kwargs)
+
+
+def _qsparse(model, optimizer, kwargs):
+    from hvd_scalecom.torch import QsparseLocalSGD
+    return QsparseLocalSGD(optimizer, model.named_parameters(), **kwargs)
+
+
 # A new scheme is one more entry: name -> factory(hvd, model, kwargs) returning a Horovod compressor.
 # Per-step statistics are read from the compressor's stats() when it has one (see _step_stats).
-COMPRESSORS = {"dense": _dense, "fp16": _fp16, "scalecom": _scalecom}
+COMPRESSORS = {"dense": _dense, "fp16": _fp16, "scalecom": _scalecom, "sketched": _sketched}
+# Schemes that wrap the optimizer instead (name -> factory(model, optimizer, kwargs)): they
+# synchronise every few steps, so their step time and bytes are means over the timed steps.
+OPTIMIZER_WRAPPERS = {"qsparse": _qsparse}
+# Sketched SGD keeps the momentum inside the sketch (Ivkin et al.): its optimizer has none.
+OWN_MOMENTUM = {"sketched"}
 
 
 def make_model(widths):
@@ -67,6 +82,11 @@ def _step_stats(compression):
             "compress_seconds": s.get("compress_seconds"), "tensors": s.get("tensors")}
 
 
+def _totals(compression):
+    stats = getattr(compression, "stats", None)
+    return stats()["total"] if callable(stats) else None
+
+
 def main(spec):
     import horovod.torch as hvd
 
@@ -81,11 +101,17 @@ def main(spec):
     y = torch.randint(0, widths[-1], (spec["batch"],), generator=gen)
     local_model = copy.deepcopy(model)  # no Horovod hooks on its parameters
     local_optimizer = torch.optim.SGD(local_model.parameters(), lr=0.01, momentum=0.9)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    compression = COMPRESSORS[spec["compressor"]](hvd, model, spec.get("kwargs", {}))
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                         compression=compression)
+    name, kwargs = spec["compressor"], spec.get("kwargs", {})
+    momentum = 0.0 if name in OWN_MOMENTUM else 0.9
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=momentum)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    wrapper = name in OPTIMIZER_WRAPPERS
+    if wrapper:
+        optimizer = compression = OPTIMIZER_WRAPPERS[name](model, optimizer, kwargs)
+    else:
+        compression = COMPRESSORS[name](hvd, model, kwargs)
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                             compression=compression)
 
     def barrier(tag):
         hvd.allreduce(torch.zeros(1), name=f"slow_link.barrier.{tag}")
@@ -101,6 +127,7 @@ def main(spec):
         step(model, optimizer)
     barrier("start")
     tx_start = read_tx()
+    totals_start = _totals(compression) if wrapper else None
     times, per_step = [], []
     for _ in range(spec["steps"]):
         start = time.perf_counter()
@@ -111,6 +138,11 @@ def main(spec):
             per_step.append(stats)
     barrier("end")
     tx_end = read_tx()
+    if wrapper:  # per-step means over the timed steps (a synchronisation every few steps)
+        totals_end = _totals(compression)
+        per_step = [{k: (totals_end[k] - totals_start[k]) / spec["steps"]
+                     for k in ("sent_bytes", "index_wait_seconds", "compress_seconds")
+                     if totals_end.get(k) is not None}]
     step(local_model, local_optimizer)  # warm-up
     barrier("floor")
     floor = []
@@ -125,7 +157,10 @@ def main(spec):
     result = {
         "compressor": spec["compressor"], "kwargs": spec.get("kwargs", {}), "workers": size,
         "rank": rank, "parameters": params, "dense_bytes": 4 * params,
-        "step_seconds": times, "median_step_seconds": statistics.median(times),
+        "step_seconds": times,
+        # the median step, or for an optimizer wrapper the mean (its synchronisations are rare steps)
+        "median_step_seconds": statistics.fmean(times) if wrapper else statistics.median(times),
+        "step_statistic": "mean" if wrapper else "median",
         "floor_seconds": statistics.median(floor),
         "tx_bytes": None if tx_start is None or tx_end is None else tx_end - tx_start,
         "steps": spec["steps"],

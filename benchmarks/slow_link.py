@@ -20,8 +20,10 @@ workers; TCP/IP headers and Horovod's coordination messages included). The floor
 with no communication at all, timed in the same job by all its workers at once right after the
 timed steps (see the worker's doc).
 
-Jobs are ``NAME`` or ``NAME:JSON`` with NAME a key of ``_slow_link_worker.COMPRESSORS`` and JSON
-passed to its factory; ``--scalecom-kwargs`` is merged into every ScaleCom job.
+Jobs are ``NAME`` or ``NAME:JSON`` with NAME a key of ``_slow_link_worker.COMPRESSORS`` (or of its
+``OPTIMIZER_WRAPPERS``: Qsparse-local-SGD, whose step time and bytes are means over the timed steps,
+since it synchronises every few steps) and JSON passed to its factory; ``--scalecom-kwargs`` is
+merged into every ScaleCom job.
 """
 
 import argparse
@@ -41,7 +43,11 @@ from benchmarks._report import replace_section
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "benchmarks", "_slow_link_worker.py")
 DEFAULT_JOBS = ["dense", "fp16", 'scalecom:{"ratio": 0.01}', 'scalecom:{"ratio": 0.001}',
-                'scalecom:{"ratio": 0.01, "pipelined": true}']
+                'scalecom:{"ratio": 0.01, "pipelined": true}',
+                # the seed systems: Sketched SGD at about ScaleCom 0.01's payload (FetchSGD's sketch
+                # proportions leave k / 35, as in docs/convergence.md), Qsparse synchronising every
+                # 5 steps (2 synchronisations in the 10 timed steps)
+                'sketched:{"ratio": 0.0003}', 'qsparse:{"local_steps": 5}']
 SCALECOM_DEFAULTS = {"selection": "threshold"}  # the exact top-k set, found faster
 # Token bucket per rate: the burst must cover a timer tick at that rate (else the rate is not met).
 SHAPES = {"1gbit": ("1mb", "50ms"), "10gbit": ("8mb", "50ms"), "100mbit": ("256kb", "200ms")}
@@ -154,6 +160,7 @@ def label(name, kwargs):
         return text + (f" {json.dumps(extra, sort_keys=True)}" if extra else "")
     if name == "fp16":
         return "Horovod fp16"
+    name = {"sketched": "Sketched SGD", "qsparse": "Qsparse-local-SGD (mean step)"}.get(name, name)
     return name + (f" {json.dumps(kwargs, sort_keys=True)}" if kwargs else "")
 
 
