@@ -16,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 import horovod.tensorflow as hvd
+from tf_model import batch, loss_of
 from hvd_scalecom.tensorflow import ScaleCom
 
 tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -25,18 +26,6 @@ hvd.init()
 rank = hvd.rank()
 NAMES = ["hidden.weight", "hidden.bias", "out.weight", "out.bias"]
 DEFAULTS = {"ratio": 0.05, "beta": 0.5, "min_numel": 600}
-
-
-def batch(t):
-    gen = np.random.RandomState(10000 * t + rank)
-    return (tf.constant(gen.randn(16, 48).astype(np.float32)),
-            tf.constant(gen.randint(0, 10, size=16).astype(np.int32)))
-
-
-def loss_of(weights, x, y):
-    w1, b1, w2, b2 = weights
-    logits = tf.matmul(tf.tanh(tf.matmul(x, w1) + b1), w2) + b2
-    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
 
 
 def run_case(index, case, record):
@@ -60,7 +49,7 @@ def run_case(index, case, record):
         step = tf.function(step)
     try:
         for t in range(case.get("steps", 1)):
-            x, y = batch(t)
+            x, y = batch(t, rank)
             with tf.GradientTape() as tape:
                 loss = loss_of(weights, x, y)
             raw = tape.gradient(loss, weights)

@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 import horovod.tensorflow as hvd
+from tf_model import batch, loss_of
 from hvd_scalecom.tensorflow import ScaleCom, log_stats
 
 tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -36,19 +37,6 @@ LR = opts.get("lr", 0.1)
 mode = opts.get("mode", "function")
 writer = tf.summary.create_file_writer(os.path.join(out_dir, f"tb{rank}")) if opts.get("tensorboard") \
     else None
-
-
-def batch(t):
-    """This rank's batch of step t: the same on resumed runs."""
-    gen = np.random.RandomState(10000 * t + rank)
-    return (tf.constant(gen.randn(16, 48).astype(np.float32)),
-            tf.constant(gen.randint(0, 10, size=16).astype(np.int32)))
-
-
-def loss_of(weights, x, y):
-    w1, b1, w2, b2 = weights
-    logits = tf.matmul(tf.tanh(tf.matmul(x, w1) + b1), w2) + b2
-    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
 
 
 def make_compression(variables):
@@ -110,7 +98,7 @@ def checkpoint_for(compression):
 
 def train(first_step, steps, record, compression_used, label=""):
     for t in range(first_step, first_step + steps):
-        x, y = batch(t)
+        x, y = batch(t, rank)
         raw = own_gradients(x, y)
         before = [w.numpy() for w in weights]
         if mode != "keras":
