@@ -46,19 +46,21 @@ def test_checked_params_refuses_bad_states():
     good = {"config": config, "params": {"w": {"step": 3, "memory": None}, "b": {"step": np.int64(0)}}}
     assert checked_params(good, "ScaleCom", config, ["w", "b"]) is good["params"]
     cases = [
-        ([], "state must be a dict returned by ScaleCom.state_dict"),
-        ({"params": {}}, "state must be a dict"),
-        ({**good, "config": {**config, "beta": 0.5}}, "saved with config"),
-        ({**good, "params": {"w": {"step": 1}}}, "the variables: missing \\['b'\\], unexpected \\[\\]"),
-        ({**good, "params": {**good["params"], "x": {"step": 1}}}, "unexpected \\['x'\\]"),
-        ({**good, "params": [1]}, "missing \\['b', 'w'\\]"),
-        ({**good, "params": {"w": {"step": -1}, "b": {"step": 0}}}, "step of 'w' must be an int >= 0"),
-        ({**good, "params": {"w": {"step": True}, "b": {"step": 0}}}, "step of 'w'"),
-        ({**good, "params": {"w": {"step": 1.0}, "b": {"step": 0}}}, "step of 'w'"),
-        ({**good, "params": {"w": 3, "b": {"step": 0}}}, "step of 'w'"),
+        ([], ValueError, "state must be a dict returned by ScaleCom.state_dict"),
+        ({"params": {}}, ValueError, "state must be a dict"),
+        ({**good, "config": {**config, "beta": 0.5}}, ValueError, "saved with config"),
+        ({**good, "params": {"w": {"step": 1}}}, ValueError,
+         "the variables: missing \\['b'\\], unexpected \\[\\]"),
+        ({**good, "params": {**good["params"], "x": {"step": 1}}}, ValueError, "unexpected \\['x'\\]"),
+        ({**good, "params": [1]}, ValueError, "missing \\['b', 'w'\\]"),
+        ({**good, "params": {"w": {"step": -1}, "b": {"step": 0}}}, ValueError,
+         "step of 'w' must be >= 0"),
+        ({**good, "params": {"w": {"step": True}, "b": {"step": 0}}}, TypeError, "step of 'w'"),
+        ({**good, "params": {"w": {"step": 1.0}, "b": {"step": 0}}}, TypeError, "step of 'w'"),
+        ({**good, "params": {"w": 3, "b": {"step": 0}}}, TypeError, "entry of 'w' must be a dict"),
     ]
-    for state, message in cases:
-        with pytest.raises(ValueError, match=message):
+    for state, error, message in cases:
+        with pytest.raises(error, match=message):
             checked_params(state, "ScaleCom", config, ["w", "b"], "variables")
 
 
