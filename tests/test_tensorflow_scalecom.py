@@ -20,14 +20,14 @@ def shapes(hidden=64):
 
 
 def check_against_reference(results, opts, steps, rtol=2e-5, atol=1e-6, value_dtype=np.float32,
-                            label=""):
+                            label="", skip=()):
     first = opts.get("first_step", 0)
     grads = [[{n: r[f"{label}raw/{t}/{n}"] for n in NAMES} for r in results]
              for t in range(first, first + steps)]
     applied, memories = scalecom_reference(
         grads, NAMES, len(results), opts.get("ratio", 0.05), opts.get("beta", 0.5),
         opts.get("warmup_steps", 0), opts.get("min_numel", 600), opts.get("leader", "cyclic"),
-        value_dtype=value_dtype, pipelined=opts.get("pipelined", False))
+        value_dtype=value_dtype, pipelined=opts.get("pipelined", False), skip_memory=skip)
     for t in range(steps):
         for n in NAMES:
             for rank, r in enumerate(results):
@@ -470,3 +470,19 @@ def test_example_checkpoint_resume_continues_identically(tmp_path):
     assert resumed["weights_l2"] == pytest.approx(straight["weights_l2"], rel=1e-6)
     assert resumed["accuracy"] == straight["accuracy"]
     assert resumed["loss"] != pytest.approx(first["loss"], rel=1e-3)  # it did train on
+
+
+def test_nonfinite_gradient_skips_the_memory_update_on_every_rank(horovod_job):
+    """Rank 0 (not the leader of step 3) gets a NaN input at step 3, so all its gradients are NaN:
+    every rank's reduction of the compressed tensors is NaN, every rank skips their memory update
+    (counted in stats()), the worker skips that step's update as a loss scaler would, and training
+    then goes on exactly as the reference with those two memory updates skipped."""
+    opts = {"steps": 6, "poison": {"rank": 0, "step": 3}, "skip_nonfinite": True}
+    results, _ = horovod_job("tf_scalecom.py", opts, np=2)
+    for r in results:
+        assert not np.isfinite(r["applied/3/hidden.weight"]).all()
+        assert json.loads(str(r["stats"]))["nonfinite_skips"] == 2  # hidden.weight, out.weight
+        for n in NAMES:
+            assert np.isfinite(r[f"final/{n}"]).all()
+    check_against_reference(results, opts, steps=6, skip={(3, "hidden.weight"), (3, "out.weight")})
+    np.testing.assert_array_equal(results[0]["final/hidden.weight"], results[1]["final/hidden.weight"])

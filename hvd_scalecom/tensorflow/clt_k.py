@@ -4,8 +4,8 @@ Notation of Chen et al. (NeurIPS 2020), Algorithm 1, for one tensor on rank i at
 
 1. ``p_i = m_i + g_i``                                     (error-compensated gradient)
 2. ``I = top_k(|p_j|)`` on the leader j                     (CLT-k, :func:`select_top_k`)
-3. ``v_i = p_i[I]``, averaged over ranks                    (:func:`take_and_filter_memory`)
-4. ``m_i <- (1 - beta) m_i + beta (p_i - scatter(I, v_i))`` (low-pass filter, same function)
+3. ``v_i = p_i[I]``, averaged over ranks                    (:func:`take`)
+4. ``m_i <- (1 - beta) m_i + beta (p_i - scatter(I, v_i))`` (low-pass filter, :func:`filter_memory`)
 5. the update applies ``scatter(I, mean_i v_i)``            (:func:`scatter_dense`)
 
 Every function builds ops on flat (1-D) tensors with static sizes, so it works eagerly and inside a
@@ -66,24 +66,35 @@ def select_top_k(p, k, selection="exact", index_dtype=tf.int32):
 
 
 def take_and_filter_memory(memory, grad, indices, beta, sent_dtype):
-    """Steps 3-4 on rank i: updates the ``memory`` variable, returns ``v_i = p_i[I]`` in ``sent_dtype``.
+    """Steps 3-4 on rank i: updates the ``memory`` variable, returns ``v_i = p_i[I]`` in ``sent_dtype``
+    (:func:`take`, then :func:`filter_memory`)."""
+    memory_at_indices, values = take(memory, grad, indices)
+    filter_memory(memory, grad, indices, memory_at_indices, values, beta, sent_dtype)
+    return tf.cast(values, tf.as_dtype(sent_dtype))
+
+
+def take(memory, grad, indices):
+    """Step 3 without a dense pass: ``(m[I], p[I])`` from k-sized gathers, in the memory's dtype."""
+    memory_at_indices = tf.gather(memory, indices)
+    g = tf.cast(tf.reshape(grad, [-1]), memory.dtype)
+    return memory_at_indices, memory_at_indices + tf.gather(g, indices)
+
+
+def filter_memory(memory, grad, indices, memory_at_indices, values, beta, sent_dtype):
+    """Step 4 on the ``memory`` variable, with ``(m[I], p[I])`` from :func:`take` (read before).
 
     ``(1 - beta) m + beta (p - scatter(I, v))`` with ``p = m + g`` equals ``m + beta g`` off I and
-    ``(1 - beta) m + beta (p - v)`` on I: one dense pass (``m += beta g``) plus k-sized gathers and a
-    scatter; ``p`` is never materialised. ``p - v`` is zero unless the values travel in a narrower
-    dtype (``sent_dtype``, e.g. fp16), whose rounding error then stays in the memory.
+    ``(1 - beta) m + beta (p - v)`` on I: one dense pass (``m += beta g``) plus a k-sized scatter;
+    ``p`` is never materialised. ``p - v`` is zero unless the values travel in a narrower dtype
+    (``sent_dtype``, e.g. fp16), whose rounding error then stays in the memory. Returns the last op.
     """
     g = tf.cast(tf.reshape(grad, [-1]), memory.dtype)
-    memory_at_indices = tf.gather(memory, indices)  # read before the update below (same resource)
-    values = memory_at_indices + tf.gather(g, indices)
     memory.assign_add(beta * g)
     kept = (1.0 - beta) * memory_at_indices
     sent_dtype = tf.as_dtype(sent_dtype)
-    sent = tf.cast(values, sent_dtype)
     if sent_dtype != values.dtype:
-        kept = kept + beta * (values - tf.cast(sent, values.dtype))
-    memory.scatter_update(tf.IndexedSlices(kept, indices))
-    return sent
+        kept = kept + beta * (values - tf.cast(tf.cast(values, sent_dtype), values.dtype))
+    return memory.scatter_update(tf.IndexedSlices(kept, indices))
 
 
 def scatter_dense(values, indices, shape, dtype):

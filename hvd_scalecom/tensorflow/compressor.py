@@ -72,6 +72,7 @@ class _Slot:
         self.memory = None  # residue memory m_i (flat), for compressible variables only
         self.step = None  # steps this variable has been reduced in (t), int64
         self.tally = None  # [dense steps, compressed steps] reduced by this process, int64
+        self.nonfinite = None  # compressed steps whose memory update a non-finite reduction skipped
         self.timing = None  # [TIMING_STEPS + 1, 2] seconds (compute, index wait); last row: totals
         self.next_indices = None  # pipelined: the indices selected for step ahead_step
         self.ahead_step = None  # pipelined: the step next_indices are for (-1: none), int64
@@ -147,6 +148,7 @@ class ScaleCom(tf.Module, Compressor):
                                                   name=f"ahead_step_{index}")
             slot.step = tf.Variable(0, dtype=tf.int64, trainable=False, name=f"step_{index}")
             slot.tally = tf.Variable([0, 0], dtype=tf.int64, trainable=False, name=f"tally_{index}")
+            slot.nonfinite = tf.Variable(0, dtype=tf.int64, trainable=False, name=f"nonfinite_{index}")
             slot.timing = tf.Variable(tf.zeros([TIMING_STEPS + 1, 2], tf.float64), trainable=False,
                                       name=f"timing_{index}")
             slots.append(slot)
@@ -190,9 +192,10 @@ class ScaleCom(tf.Module, Compressor):
     def decompress(self, tensor, ctx):
         if ctx is None:
             return tensor
-        slot, t, indices, dense, in_warmup = ctx
+        slot, t, indices, dense, in_warmup, grad, memory_at_indices, exact = ctx
         with tf.name_scope(f"{self._prefix}_{slot.index}_decompress"):
             start, tensor = _stamp(tensor)
+            self._update_memory(slot, tensor, in_warmup, grad, indices, memory_at_indices, exact)
 
             def sparse():
                 return clt_k.scatter_dense(tensor, indices, slot.shape, slot.grad_dtype)
@@ -206,6 +209,25 @@ class ScaleCom(tf.Module, Compressor):
             seconds = end - start
             slot.timing.scatter_nd_add([[row, 0], [TIMING_STEPS, 0]], tf.stack([seconds, seconds]))
             return out
+
+    def _update_memory(self, slot, reduced, in_warmup, grad, indices, memory_at_indices, exact):
+        """The low-pass memory update of a compressed step, skipped (and counted) when the reduced
+        values are not finite: then some rank's gradient was, and every rank sees it alike."""
+        finite = tf.reduce_all(tf.math.is_finite(reduced))
+        compressed = tf.constant(True) if in_warmup is None else tf.logical_not(in_warmup)
+        sent_dtype = self._value_dtype or grad.dtype
+
+        def update():
+            with tf.control_dependencies([clt_k.filter_memory(
+                    slot.memory, grad, indices, memory_at_indices, exact, self.config.beta,
+                    sent_dtype)]):
+                return tf.constant(0, tf.int64)
+
+        def skip():
+            return tf.cast(compressed, tf.int64)  # warm-up steps update nothing and count nothing
+
+        skipped = tf.cond(tf.logical_and(compressed, finite), update, skip)
+        slot.nonfinite.assign_add(skipped)
 
     # -- the graph of one compressed step ---------------------------------------------------------
 
@@ -227,19 +249,22 @@ class ScaleCom(tf.Module, Compressor):
             selected = []
             if self.config.pipelined:
                 selected = [self._select_ahead(slot, tensor, t, rank, size, index_dtype)]
-            # The memory is updated once the leader has read p for its selection ahead (but the
-            # values need not wait for that exchange).
+            memory_at_indices, exact = clt_k.take(slot.memory, tensor, indices)  # m_i[I], p_i[I]
+            # A non-finite gradient anywhere on this rank makes every value it sends NaN, so that all
+            # ranks see a non-finite reduction and skip the memory update (in decompress).
+            finite = tf.math.is_finite(tf.reduce_sum(tf.cast(tensor, tf.float32)))
+            values = tf.where(finite, tf.cast(exact, sent_dtype), tf.constant(float("nan"), sent_dtype))
+            # The memory is updated once the leader has read p for its selection ahead.
             with tf.control_dependencies(selected):
-                values = clt_k.take_and_filter_memory(slot.memory, tensor, indices, self.config.beta,
-                                                      sent_dtype)
+                memory_at_indices = tf.identity(memory_at_indices)
             end, values = _stamp(values, received)
             self._record(slot, row, (wait_from - start) + (end - received), received - wait_from,
                          compressed=True)
-            return values, tf.zeros([0], tensor.dtype), indices
+            return values, tf.zeros([0], tensor.dtype), indices, memory_at_indices, exact
 
         if self.config.warmup_steps == 0:
-            values, _, indices = compressed()
-            return values, (slot, t, indices, None, None)
+            values, _, indices, memory_at_indices, exact = compressed()
+            return values, (slot, t, indices, None, None, tensor, memory_at_indices, exact)
 
         def warmup():
             """Dense average by ScaleCom itself; Horovod's allreduce carries k zeros."""
@@ -247,13 +272,14 @@ class ScaleCom(tf.Module, Compressor):
                                   ignore_name_scope=True, process_set=self._process_set)
             end, dense = _stamp(dense, start)
             self._record(slot, row, end - start, tf.constant(0.0, tf.float64), compressed=False)
+            unused = tf.zeros([slot.k], slot.memory.dtype)
             return (tf.zeros([slot.k], sent_dtype), tf.reshape(dense, [-1]),
-                    tf.zeros([slot.k], index_dtype))
+                    tf.zeros([slot.k], index_dtype), unused, unused)
 
         in_warmup = t < self.config.warmup_steps
-        values, dense, indices = tf.cond(in_warmup, warmup, compressed)
+        values, dense, indices, memory_at_indices, exact = tf.cond(in_warmup, warmup, compressed)
         values = tf.ensure_shape(values, [slot.k])
-        return values, (slot, t, indices, dense, in_warmup)
+        return values, (slot, t, indices, dense, in_warmup, tensor, memory_at_indices, exact)
 
     def _indices_for_step(self, slot, tensor, t, leader, rank, size, index_dtype, start):
         """The indices of step ``t`` on every rank, and when this rank started waiting for them:
@@ -428,6 +454,7 @@ class ScaleCom(tf.Module, Compressor):
             total.index_wait_seconds += float(timing[TIMING_STEPS, 1])
         out = this_step.as_dict()
         out["step"] = step
+        out["nonfinite_skips"] = sum(int(s.nonfinite.numpy()) for s in self._slots)
         out["total"] = total.as_dict()
         return out
 

@@ -78,8 +78,11 @@ else:
             loss = loss_of(weights, x, y)
         tape = hvd.DistributedGradientTape(tape, compression=compression, **set_kwargs)
         grads = tape.gradient(loss, weights)
+        # "skip_nonfinite": what a loss scaler does, skip the update when a gradient is not finite
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads]) \
+            if opts.get("skip_nonfinite") else tf.constant(True)
         for w, g in zip(weights, grads):
-            w.assign_sub(LR * g)
+            w.assign_sub(tf.where(finite, LR * g, tf.zeros_like(g)))
         return grads
 
     if mode == "function":
@@ -99,6 +102,9 @@ def checkpoint_for(compression):
 def train(first_step, steps, record, compression_used, label=""):
     for t in range(first_step, first_step + steps):
         x, y = batch(t, rank)
+        poison = opts.get("poison")  # {"rank", "step"}: a NaN input makes that rank's gradients NaN
+        if poison and (poison["rank"], poison["step"]) == (rank, t):
+            x = tf.tensor_scatter_nd_update(x, [[0, 7]], [float("nan")])
         raw = own_gradients(x, y)
         before = [w.numpy() for w in weights]
         if mode != "keras":
