@@ -4,6 +4,7 @@ both examples draw a progress bar on rank 0 only."""
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -41,6 +42,6 @@ def test_resume_from_checkpoint_matches_an_uninterrupted_run(tmp_path):
 def test_progress_bar_on_rank_0(example):
     output = run([os.path.join(ROOT, "examples", example), "--epochs", "1", "--progress"], np=2,
                  timeout=300)
-    # tqdm redraws with carriage returns: horovodrun prefixes the rank once per newline
-    assert "[0]<stdout>:epoch 1:" in output and "epoch 1: 100%" in output
+    # tqdm redraws the bar every 0.1 s or so; horovodrun prints each redraw as a line of rank 0's
+    assert re.search(r"\[0\]<stdout>:epoch 1: +\d+%\|.*\| \d+/\d+ \[", output), output[-2000:]
     assert "[1]<stdout>:epoch 1:" not in output
