@@ -65,14 +65,6 @@ def select_top_k(p, k, selection="exact", index_dtype=tf.int32):
     return tf.ensure_shape(indices, [k])
 
 
-def take_and_filter_memory(memory, grad, indices, beta, sent_dtype):
-    """Steps 3-4 on rank i: updates the ``memory`` variable, returns ``v_i = p_i[I]`` in ``sent_dtype``
-    (:func:`take`, then :func:`filter_memory`)."""
-    memory_at_indices, values = take(memory, grad, indices)
-    filter_memory(memory, grad, indices, memory_at_indices, values, beta, sent_dtype)
-    return tf.cast(values, tf.as_dtype(sent_dtype))
-
-
 def take(memory, grad, indices):
     """Step 3 without a dense pass: ``(m[I], p[I])`` from k-sized gathers, in the memory's dtype."""
     memory_at_indices = tf.gather(memory, indices)
