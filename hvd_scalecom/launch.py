@@ -40,6 +40,12 @@ def run(args, np=2, controller="gloo", timeout=300, env=None, cwd=None, check=Tr
     ``threads`` sets OMP/MKL/torch/TF thread counts per worker. Raises :class:`HorovodRunError` with
     each rank's output when the job fails (``check``) or outlives ``timeout`` seconds.
     """
+    return run_command(horovodrun_command(args, np=np, controller=controller), timeout=timeout,
+                       env=env, cwd=cwd, check=check, threads=threads)
+
+
+def run_command(cmd, timeout=300, env=None, cwd=None, check=True, threads=1):
+    """:func:`run` for a ``horovodrun`` argv built by the caller (elastic options, say)."""
     full_env = dict(os.environ)
     full_env.update({
         "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
@@ -47,7 +53,6 @@ def run(args, np=2, controller="gloo", timeout=300, env=None, cwd=None, check=Tr
         "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
     })
     full_env.update(env or {})
-    cmd = horovodrun_command(args, np=np, controller=controller)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=full_env, cwd=cwd, start_new_session=True)
     try:

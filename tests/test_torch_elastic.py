@@ -6,15 +6,13 @@ one process, and real membership changes under ``horovodrun --min-np/--max-np
 import glob
 import json
 import os
-import signal
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
 
-from hvd_scalecom.launch import HorovodRunError, split_by_rank
+from hvd_scalecom.launch import HorovodRunError, run_command
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 K = {"hidden.weight": 154, "out.weight": 32}  # ceil(0.05 * numel) for the worker's model
@@ -114,7 +112,7 @@ def test_torch_state_snapshots_restores_and_resyncs_locally_held_state(monkeypat
 def elastic_run(tmp_path, opts, hosts, np_, max_np=3, env=None, timeout=240):
     """``horovodrun -np N --min-np 2 --max-np M --host-discovery-script`` (a script printing the hosts
     file that rank 0 rewrites) running tests/workers/torch_elastic.py; returns (events, output, out
-    dir). ``hvd_scalecom.launch.run`` has no elastic options, hence this launcher."""
+    dir)."""
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     hosts_file = tmp_path / "hosts.txt"
@@ -130,25 +128,17 @@ def elastic_run(tmp_path, opts, hosts, np_, max_np=3, env=None, timeout=240):
            json.dumps({**opts, "hosts_file": str(hosts_file)}), str(out_dir)]
     # HOROVOD_ELASTIC=1 is set for the workers by horovodrun itself. The Gloo timeout also bounds how
     # long the others wait in Gloo's rendezvous for a joining worker to start up (30 s by default).
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                "TF_CPP_MIN_LOG_LEVEL": "2", "HOROVOD_GLOO_TIMEOUT_SECONDS": "120", **(env or {})}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
-                            start_new_session=True)
     try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise HorovodRunError(report(f"timed out after {timeout} s", output, out_dir)) from None
-    if proc.returncode != 0:
-        raise HorovodRunError(report(f"exited with {proc.returncode}", output, out_dir))
+        output = run_command(cmd, timeout=timeout,
+                             env={"HOROVOD_GLOO_TIMEOUT_SECONDS": "120", **(env or {})})
+    except HorovodRunError as error:
+        raise HorovodRunError(f"elastic {error}\n{event_tails(out_dir)}") from None
     return read_events(out_dir), output, out_dir
 
 
-def report(what, output, out_dir):
-    parts = [f"elastic horovodrun {what}"]
-    for rank, text in split_by_rank(output).items():
-        parts.append(f"----- {'launcher' if rank < 0 else f'rank {rank}'} -----\n{text[-4000:]}")
+def event_tails(out_dir):
+    """The last lines each worker process recorded, for a failure's message."""
+    parts = []
     for path in sorted(glob.glob(str(out_dir / "proc*.jsonl"))):
         with open(path) as f:
             parts.append(f"----- {os.path.basename(path)} (last lines) -----\n" + "".join(f.readlines()[-4:]))
