@@ -8,20 +8,21 @@ One thread (as each Horovod worker here), fp32 gradient ``g`` and residue memory
 
 * floor: ``m.add_(g, alpha=beta)``, one pass reading g and m and writing m (12 bytes per entry),
   the least any error-feedback scheme must do;
-* leader: ``p = m + g`` (reused scratch buffer), top-k indices of ``|p|``, ``v = p[I]``, the
-  finiteness check, the low-pass memory update, and the values written over zeros into the
-  gradient's storage (``clt_k`` as the compressor calls it);
-* non-leader: the same without ``p`` and the selection.
+* leader / non-leader: the ``clt_k`` calls ``ScaleCom.compress`` and ``decompress`` make for one
+  tensor, without the communication: ``select_and_take`` (the leader's threshold top-k with ``m[I]``,
+  ``p[I]`` and the finiteness of g) or ``take_checking`` (a non-leader's), then
+  ``filter_and_scatter_`` (the memory update and the reduced values written over zeros into g),
+  with the C kernels (the default on contiguous fp32 CPU tensors: one read-only pass in compress,
+  one pass in place in decompress) and with torch operations (``HVD_SCALECOM_NATIVE=0``, and CUDA).
 
 Each variant runs once per round, in turn, on the same inputs (restored before every call, untimed);
-a ratio is taken to the floor of the same round, and the table gives medians over rounds. Fresh
-dense tensors of 100 MB page-fault on every allocation with glibc's default malloc, so every size is
-also measured in a child process started with ``THP_MEM_ALLOC_ENABLE=1`` (PyTorch's CPU allocator
-then uses transparent huge pages), and the variants that allocate (as the compressor once did)
-are kept for comparison.
+a ratio is taken to the floor of the same round, and the table gives medians over rounds. With
+``--environments`` the sizes are also measured in a child process started with
+``THP_MEM_ALLOC_ENABLE=1`` (PyTorch's CPU allocator then uses transparent huge pages).
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -30,7 +31,6 @@ import sys
 
 import torch
 
-from benchmarks import _native
 from benchmarks._report import interleaved, replace_section
 from hvd_scalecom.torch import clt_k
 
@@ -39,18 +39,18 @@ BETA = 0.1
 ENVIRONMENTS = {"default": {}, "THP_MEM_ALLOC_ENABLE=1": {"THP_MEM_ALLOC_ENABLE": "1"}}
 
 
-def previous_threshold(p, k):
-    """The "threshold" selection as it was before this benchmark (commit f3b8476), for comparison:
-    ``|p|`` materialised, a strided sample, and ``nonzero`` over the whole tensor."""
-    magnitude = p.abs()
-    stride = p.numel() // 16384
-    sample = magnitude[::stride]
-    want = min(sample.numel(), max(1, math.ceil(1.3 * k * sample.numel() / p.numel()) + 2))
-    threshold = torch.topk(sample, want, sorted=False).values.min()
-    candidates = torch.nonzero(magnitude >= threshold).reshape(-1)
-    if candidates.numel() < k:
-        return torch.topk(magnitude, k, sorted=False).indices
-    return candidates[torch.topk(magnitude[candidates], k, sorted=False).indices]
+@contextlib.contextmanager
+def torch_operations():
+    """Run the enclosed calls as with ``HVD_SCALECOM_NATIVE=0`` (clt_k asks at every call)."""
+    before = os.environ.get("HVD_SCALECOM_NATIVE")
+    os.environ["HVD_SCALECOM_NATIVE"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["HVD_SCALECOM_NATIVE"]
+        else:
+            os.environ["HVD_SCALECOM_NATIVE"] = before
 
 
 def make_inputs(numel, seed=0):
@@ -78,73 +78,48 @@ def measure(numel, ratio, rounds, with_exact=True):
     p0 = m0 + g0
     exact = clt_k.select_top_k(p0, k, "exact")
     fast = clt_k.select_top_k(p0, k, "threshold")
+    with torch_operations():
+        torch_fast = clt_k.select_top_k(p0, k, "threshold")
+    assert torch.equal(fast.sort().values, torch_fast.sort().values), "the C and torch selections differ"
     overlap = torch.isin(fast, exact).sum().item() / k
-    previous_overlap = torch.isin(previous_threshold(p0, k), exact).sum().item() / k
-    indices = fast.clone()
+    received = fast.to(torch.int32)  # as a non-leader receives them
 
-    def finish(chosen, into):
-        """What every rank does after the selection, as ``ScaleCom.compress``/``decompress`` call it:
-        k-sized gathers, the finiteness check over g, the memory update, the scatter."""
-        chosen = chosen.to(torch.int64)
-        memory_at, values = clt_k.take(m, g, chosen)
-        finite = torch.isfinite(torch.sum(g, dtype=torch.float32))
-        clt_k.filter_memory_(m, g, chosen, memory_at, values, values, BETA)
-        if into:
-            return clt_k.scatter_dense_(g, values, chosen), finite
-        return clt_k.scatter_dense(values, chosen, numel, g.dtype), finite
+    def leader(selection="threshold"):
+        indices, memory_at, values, finite = clt_k.select_and_take(m, g, k, selection, scratch=scratch)
+        indices.to(torch.int32)  # the broadcast buffer
+        return clt_k.filter_and_scatter_(m, g, indices, values, memory_at, values, values, BETA)
 
-    def leader(selection, into=True):
-        def run():
-            if into:
-                p = clt_k.error_compensated_into(scratch, m, g)
-            else:
-                p = clt_k.error_compensated(m, g)
-            chosen = previous_threshold(p, k) if selection == "previous" else \
-                clt_k.select_top_k(p, k, selection)
-            del p
-            return finish(chosen, into)
-        return run
+    def non_leader():
+        indices = received.to(torch.int64)
+        memory_at, values, finite = clt_k.take_checking(m, g, indices)
+        return clt_k.filter_and_scatter_(m, g, indices, values, memory_at, values, values, BETA)
 
-    def non_leader(into=True):
-        def run():
-            return finish(indices, into)
-        return run
+    def with_torch_operations(run, *args):
+        def wrapped():
+            with torch_operations():
+                return run(*args)
+        return wrapped
+
+    def torch_selection():
+        with torch_operations():
+            return clt_k.select_top_k(p0, k, "threshold")
 
     variants = {
         "floor": lambda: m.add_(g, alpha=BETA),
-        "leader": leader("threshold"),
-        "leader, fresh dense tensors": leader("threshold", into=False),
-        "leader, previous threshold": leader("previous"),
-        "non-leader": non_leader(),
-        "non-leader, fresh dense tensors": non_leader(into=False),
-        "selection (threshold)": lambda: clt_k.select_top_k(p0, k, "threshold"),
-        "selection (previous threshold)": lambda: previous_threshold(p0, k),
+        "leader": leader,
+        "non-leader": non_leader,
+        "leader, torch operations": with_torch_operations(leader),
+        "non-leader, torch operations": with_torch_operations(non_leader),
+        "selection (threshold, C)": lambda: clt_k.select_top_k(p0, k, "threshold"),
+        "selection (threshold, torch)": torch_selection,
     }
-    lib = _native.load()
-    if lib is not None:
-        ws = _native.Workspace(numel, k)
-        native_indices = _native.leader_select(lib, ws, m0, g0).clone()
-        assert torch.equal(native_indices, fast.sort().values), "the C prototype's selection differs"
-
-        def native_leader():
-            chosen = _native.leader_select(lib, ws, m, g)
-            values = _native.take_and_filter(lib, ws, m, g, chosen, BETA)
-            return _native.scatter(lib, g, chosen, values)
-
-        def native_non_leader():
-            values = _native.take_and_filter(lib, ws, m, g, native_indices, BETA)
-            return _native.scatter(lib, g, native_indices, values)
-
-        variants["leader, C prototype"] = native_leader
-        variants["non-leader, C prototype"] = native_non_leader
     if with_exact:
-        variants["leader, exact selection"] = leader("exact")
+        variants["leader, torch operations, exact top-k"] = with_torch_operations(leader, "exact")
         variants["selection (exact)"] = lambda: clt_k.select_top_k(p0, k, "exact")
     results = interleaved(variants, rounds, "floor", prepare=restore)
     floor_seconds = results["floor"][0]
     best_floor = results["floor"][2]
-    return {"numel": numel, "ratio": ratio, "k": k, "overlap": overlap,
-            "previous_overlap": previous_overlap, "floor_ms": 1e3 * floor_seconds,
+    return {"numel": numel, "ratio": ratio, "k": k, "overlap": overlap, "floor_ms": 1e3 * floor_seconds,
             "floor_gbps": 12 * numel / floor_seconds / 1e9,
             "ms": {name: 1e3 * s for name, (s, _, _) in results.items()},
             "x": {name: r for name, (_, r, _) in results.items()},
@@ -183,46 +158,41 @@ def markdown(rows, command, load):
         "",
         f"Made by `{command}`: one thread, fp32 gradient and memory, beta 0.1, gradient-like synthetic",
         "data (Gaussian entries, log-normal scale per 256-entry block). The floor is `m.add_(g)` (reads",
-        "g and m, writes m); ratios are medians of per-round ratios to the floor measured in the same",
-        "round. *Leader* and *non-leader* are what `ScaleCom.compress` + `decompress` do for one tensor",
-        "(`p = m + g` into a reused scratch buffer, `threshold` top-k of `|p|` on the leader; then on",
-        "every rank the k-sized gathers `clt_k.take`, the finiteness check (a sum over g), the memory",
-        "update `clt_k.filter_memory_`, and the reduced values written over zeros into the gradient's",
-        "own storage with `clt_k.scatter_dense_`), without the communication. *Fresh dense tensors*: the",
-        "same with `p` and the dense result allocated at every call, as the compressor did before.",
-        "Each cell: the median ratio (the best round's time over the best floor).",
-        "*C prototype*: `benchmarks/_native.py`, the same steps as single streaming passes",
-        "in C (not part of the package; see its docstring), without the finiteness check. Overlap: share",
-        "of the exact top-k (`torch.topk` of `|p|`) that the `threshold` selection finds.",
-        f"Load average of this 2-core machine (other jobs ran too): {load[0]:.1f} at the start, "
-        f"{load[1]:.1f} at the end.",
+        "g and m, writes m in place); ratios are medians of per-round ratios to the floor measured in the",
+        "same round; each cell gives the median ratio (the best round's time over the best floor).",
+        "*Leader* and *non-leader* are the `clt_k` calls `ScaleCom.compress` + `decompress` make for one",
+        "tensor, without the communication, by default with the C kernels of `hvd_scalecom.native`:",
+        "compress is one read-only pass (the leader's threshold selection takes `m[I]`, `p[I]` and checks",
+        "that g is finite as it reads m and g; a non-leader reads g for finiteness and takes `m[I]`, `p[I]`",
+        "on the way), decompress one pass in place (the memory update, and the reduced values written",
+        "over zeros into g). *Torch operations*: the same steps as torch calls, the path taken with",
+        "`HVD_SCALECOM_NATIVE=0` and on CUDA. Both paths give bit-identical results (`tests/test_native.py`).",
+        "Overlap: share of the exact top-k (`torch.topk` of `|p|`) that the `threshold` selection finds",
+        "(both paths find the same set).",
+        f"Load average of this 2-core machine: {load[0]:.1f} at the start, {load[1]:.1f} at the end.",
         "",
-        "| entries | ratio | allocator | floor | floor GB/s | leader | leader, fresh dense tensors | "
-        "leader, previous threshold | leader, exact top-k | leader, C prototype | non-leader | "
-        "non-leader, fresh dense tensors | non-leader, C prototype | overlap |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| entries | ratio | allocator | floor | floor GB/s | leader | non-leader | leader, torch operations | "
+        "non-leader, torch operations | leader, torch operations, exact top-k | overlap |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['numel']:,} | {r['ratio']:g} | {r['environment']} | {r['floor_ms']:.2f} ms | "
-            f"{r['floor_gbps']:.1f} | {fmt(r, 'leader')} | {fmt(r, 'leader, fresh dense tensors')} | "
-            f"{fmt(r, 'leader, previous threshold')} | {fmt(r, 'leader, exact selection')} | "
-            f"{fmt(r, 'leader, C prototype')} | {fmt(r, 'non-leader')} | "
-            f"{fmt(r, 'non-leader, fresh dense tensors')} | {fmt(r, 'non-leader, C prototype')} | "
-            f"{r['overlap']:.4f} |")
+            f"{r['floor_gbps']:.1f} | {fmt(r, 'leader')} | {fmt(r, 'non-leader')} | "
+            f"{fmt(r, 'leader, torch operations')} | {fmt(r, 'non-leader, torch operations')} | "
+            f"{fmt(r, 'leader, torch operations, exact top-k')} | {r['overlap']:.4f} |")
     lines += [
         "",
         "The selection alone (on a given `p`), against the same floor:",
         "",
-        "| entries | ratio | allocator | threshold (now) | previous threshold | exact (`torch.topk`) | "
-        "previous threshold's overlap |",
-        "|---:|---:|---|---:|---:|---:|---:|",
+        "| entries | ratio | allocator | threshold, C | threshold, torch | exact (`torch.topk`) |",
+        "|---:|---:|---|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['numel']:,} | {r['ratio']:g} | {r['environment']} | "
-            f"{fmt(r, 'selection (threshold)')} | {fmt(r, 'selection (previous threshold)')} | "
-            f"{fmt(r, 'selection (exact)')} | {r['previous_overlap']:.4f} |")
+            f"{fmt(r, 'selection (threshold, C)')} | {fmt(r, 'selection (threshold, torch)')} | "
+            f"{fmt(r, 'selection (exact)')} |")
     lines.append("")
     lines.append("Milliseconds (medians):")
     lines.append("")
@@ -242,7 +212,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--sizes", type=int, nargs="+", default=None)
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.01, 0.001])
-    ap.add_argument("--environments", nargs="+", default=list(ENVIRONMENTS), choices=list(ENVIRONMENTS))
+    ap.add_argument("--environments", nargs="+", default=["default"], choices=list(ENVIRONMENTS))
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.sizes is None:
@@ -257,10 +227,9 @@ def main(argv=None):
         for r in run_environment(env_name, args):
             rows.append(r)
             print(f"{r['numel']:>11,} ratio {r['ratio']:<6g} {env_name:24s} floor {r['floor_ms']:7.2f} ms "
-                  f"({r['floor_gbps']:5.1f} GB/s)  leader {r['x']['leader']:5.2f}x  fresh "
-                  f"{r['x']['leader, fresh dense tensors']:5.2f}x  non-leader {r['x']['non-leader']:5.2f}x"
-                  f"  fresh {r['x']['non-leader, fresh dense tensors']:5.2f}x"
-                  f"  overlap {r['overlap']:.4f}",
+                  f"({r['floor_gbps']:5.1f} GB/s)  leader {r['x']['leader']:5.2f}x  non-leader "
+                  f"{r['x']['non-leader']:5.2f}x  torch: leader {r['x']['leader, torch operations']:5.2f}x"
+                  f"  non-leader {r['x']['non-leader, torch operations']:5.2f}x  overlap {r['overlap']:.4f}",
                   flush=True)
     command = "python -m benchmarks.kernels" + (" --smoke" if args.smoke else "")
     load.append(os.getloadavg()[0])

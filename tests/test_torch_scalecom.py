@@ -65,6 +65,19 @@ def test_matches_reference(horovod_job, np_, beta, warmup):
         assert sparsity(applied[t], "hidden.bias") == 1.0
 
 
+@pytest.mark.parametrize("kernels", ["C", "torch"])
+def test_large_tensors_threshold_selection_both_kernel_paths(horovod_job, kernels):
+    """hidden.weight of 67,200 entries: the leader's threshold selection and memory update run as
+    one C pass (or, with HVD_SCALECOM_NATIVE=0, as torch operations); both match the reference."""
+    opts = {"ratio": 0.02, "beta": 0.3, "min_numel": 600, "steps": 6, "hidden": 1400,
+            "selection": "threshold"}
+    env = {"HVD_SCALECOM_NATIVE": "0"} if kernels == "torch" else None
+    results, _ = horovod_job("torch_scalecom.py", opts, np=3, env=env)
+    applied = check_against_reference(results, opts, steps=6)
+    check_identical_weights(results)
+    assert sparsity(applied[5], "hidden.weight") == pytest.approx(0.02, abs=1e-4)
+
+
 def test_horovod_moves_k_values_and_k_indices(horovod_job, tmp_path):
     """What Horovod really moved, read from its timeline, not from stats()."""
     from hvd_scalecom.timeline import read_operations
@@ -181,14 +194,15 @@ def test_checkpoint_round_trip_continues_identically(horovod_job, tmp_path, pipe
     assert diff > 1e-4
 
 
-@pytest.mark.parametrize("value", ["nan", "inf"])
-def test_nonfinite_gradient_skips_the_step_on_every_rank_and_spares_the_memory(horovod_job, value):
+@pytest.mark.parametrize("value, kernels", [("nan", "C"), ("inf", "C"), ("inf", "torch")])
+def test_nonfinite_gradient_skips_the_step_on_every_rank_and_spares_the_memory(horovod_job, value, kernels):
     """Rank 1's hidden.weight gradient has one non-finite entry at step 3: every rank's update of
     that tensor is non-finite (so a loss scaler skips the step everywhere), no memory is poisoned,
     and training continues exactly as the reference with that memory update skipped."""
     opts = {"ratio": 0.05, "beta": 0.5, "min_numel": 600, "steps": 7, "skip_nonfinite": True,
             "poison": {"rank": 1, "step": 3, "value": value}}
-    results, _ = horovod_job("torch_scalecom.py", opts, np=3)
+    env = {"HVD_SCALECOM_NATIVE": "0"} if kernels == "torch" else None
+    results, _ = horovod_job("torch_scalecom.py", opts, np=3, env=env)
     for r in results:
         assert not np.isfinite(r["applied/3/hidden.weight"]).all()
         for n in NAMES:

@@ -7,16 +7,22 @@ Notation of Chen et al. (NeurIPS 2020), Algorithm 1, for one tensor on rank i at
 2. ``I = top_k(|p_j|)`` on the leader j                   (CLT-k, :func:`select_top_k`)
 3. ``v_i = p_i[I]``, averaged over ranks                  (:func:`take`)
 4. ``m_i <- (1 - beta) m_i + beta (p_i - scatter(I, v_i))`` (low-pass filter, :func:`filter_memory_`;
-   :func:`take_and_filter_memory_` does 3 and 4 together)
+   :func:`take_and_filter_memory_` does 3 and 4 together; :func:`filter_memory_into` and
+   :func:`fix_memory_at_indices_` do 4 out of place)
 5. the update applies ``scatter(I, mean_i v_i)``          (:func:`scatter_dense`)
 
-All functions work on flat (1-D) views, on any device, without Python loops over entries.
+All functions work on flat (1-D) views, on any device, without Python loops over entries. On
+contiguous fp32 CPU tensors the selection and the dense pass of step 4 run as single passes in C
+(:mod:`hvd_scalecom.native`), which compute the same values as the torch operations (tested).
 """
 
+import ctypes
 import functools
 import math
 
 import torch
+
+from hvd_scalecom import native
 
 
 def memory_dtype(grad_dtype):
@@ -54,16 +60,21 @@ def select_top_k(p, k, selection="exact"):
     If fewer than k entries reach ``t`` (or ``t`` is 0, e.g. mostly zeros), it falls back to
     ``"exact"``, so the result is always an exact top-k. Small tensors and ratios above 1/16 use
     ``"exact"`` directly. NaN entries are never selected by ``"threshold"`` (``torch.topk`` ranks
-    them first).
+    them first). On contiguous fp32 CPU tensors steps 2-3 are one read-only pass in C that collects
+    the candidates in index order (the k returned ascending; ties at the k-th magnitude go to the
+    lowest indices).
     """
     numel = p.numel()
     if selection not in ("exact", "threshold"):
         raise ValueError(f"selection must be 'exact' or 'threshold', got {selection!r}")
     if k >= numel:
         return torch.arange(numel, device=p.device)
-    if selection == "exact" or numel < _THRESHOLD_MIN_NUMEL or k * 16 > numel:
+    if selection == "exact" or not _thresholded(numel, k):
         return torch.topk(p.abs(), k, sorted=False).indices
     p = p.reshape(-1)
+    if _native_applies(p):
+        selected = _native_select(p, None, k)
+        return selected[0] if selected is not None else torch.topk(p.abs(), k, sorted=False).indices
     threshold = _sampled_threshold(p, k)
     if threshold > 0:
         candidates, magnitudes = _at_least(p, threshold)
@@ -72,8 +83,106 @@ def select_top_k(p, k, selection="exact"):
     return torch.topk(p.abs(), k, sorted=False).indices
 
 
+def select_top_k_of_sum(memory, grad, k, selection="exact", scratch=None):
+    """Steps 1-2 on the leader: ``select_top_k(m + g, k, selection)``, with ``p`` formed in
+    ``scratch`` (see :func:`error_compensated_into`) or a new tensor, except where the C kernels
+    apply (see :func:`select_and_take`)."""
+    return select_and_take(memory, grad, k, selection, scratch, check=False)[0]
+
+
+def select_and_take(memory, grad, k, selection="exact", scratch=None, check=True):
+    """Steps 1-3 on the leader: ``(I, m[I], p[I], finite)``, ``finite`` telling whether every entry of
+    ``g`` is (with ``check``; else True). With ``"threshold"`` on contiguous fp32 CPU tensors this
+    is one read-only pass in C that compares ``|m + g|`` as it reads m and g (``p`` never exists) and
+    keeps ``m``, ``g`` of the candidates; ``I`` comes ascending."""
+    grad = grad.reshape(-1)
+    numel = memory.numel()
+    if (selection == "threshold" and k < numel and _thresholded(numel, k)
+            and _native_applies(memory, grad)):
+        selected = _native_select(memory, grad, k)
+        if selected is not None:
+            return selected
+    if scratch is not None:
+        p = error_compensated_into(scratch, memory, grad)
+    else:
+        p = error_compensated(memory, grad)
+    indices = select_top_k(p, k, selection)
+    del p
+    return (indices, *take_checking(memory, grad, indices, check))
+
+
 _THRESHOLD_MIN_NUMEL = 1 << 16  # below this, torch.topk is about as fast
 _GRID_ROWS = 8  # rows of the column pre-filter: a column reaches t with probability ~8x an entry's
+
+
+def _thresholded(numel, k):
+    """Whether ``"threshold"`` samples a threshold (else it is ``torch.topk``)."""
+    return numel >= _THRESHOLD_MIN_NUMEL and k * 16 <= numel
+
+
+def _native_applies(*tensors):
+    """The C kernels take contiguous fp32 CPU tensors (when they could be built)."""
+    return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+            and native.library() is not None)
+
+
+def _sample_plan(numel, k):
+    """(sample size, rank): the threshold is the rank-th largest of ``size`` sampled magnitudes.
+
+    Of a sample of ``s`` entries, about ``k s / numel`` (binomially distributed) reach the k-th
+    largest magnitude; ``rank`` is four standard deviations above that, so about
+    ``k (1 + 4 / sqrt(k s / numel))`` entries reach the threshold.
+    """
+    size = min(numel, max(4096, min(65536, numel // 256)))
+    expected = k * size / numel
+    return size, int(math.ceil(expected + 4.0 * math.sqrt(expected) + 4.0))
+
+
+class _SelectBuffers:
+    """The C selection's candidate buffers, kept from call to call (grown, never shrunk)."""
+
+    def __init__(self):
+        self.cap = 0
+
+    def ensure(self, cap, sample_size):
+        if cap > self.cap or sample_size > self.scratch.numel():
+            self.cap = max(cap, self.cap)
+            self.indices = torch.empty(self.cap + 16, dtype=torch.int64)  # + one vector of slack
+            self.magnitudes = torch.empty(self.cap + 16)
+            self.a = torch.empty(self.cap + 16)
+            self.b = torch.empty(self.cap + 16)
+            self.scratch = torch.empty(max(self.cap, sample_size))
+        return self
+
+
+_select_buffers = _SelectBuffers()
+
+
+def _native_select(a, b, k):
+    """``(I, a[I], a[I] + b[I], finite)`` by the C kernel (``I`` the exact top-k of ``|a + b|``,
+    ascending; ``|a|`` when b is None; ``finite``: every entry of b, else a, is), or None where the
+    sampled threshold lets fewer than k entries through (the caller then runs a full top-k)."""
+    numel = a.numel()
+    size, rank = _sample_plan(numel, k)
+    if rank >= size:
+        return None
+    lib = native.library()
+    positions = _sample_positions(numel, size, torch.device("cpu"))
+    indices = torch.empty(k, dtype=torch.int64)
+    a_at, p_at = torch.empty(k), torch.empty(k)
+    finite = ctypes.c_int(1)
+    cap = 2 * k + 4096
+    while True:
+        buffers = _select_buffers.ensure(cap, size)
+        got = lib.hsc_select(a.data_ptr(), None if b is None else b.data_ptr(), numel, k, positions.data_ptr(),
+                             size, rank, buffers.indices.data_ptr(), buffers.magnitudes.data_ptr(),
+                             buffers.a.data_ptr(), buffers.b.data_ptr(), buffers.cap,
+                             buffers.scratch.data_ptr(), indices.data_ptr(), a_at.data_ptr(),
+                             p_at.data_ptr(), ctypes.byref(finite))
+        if got != -2:
+            break
+        cap = 2 * buffers.cap
+    return (indices, a_at, p_at, bool(finite.value)) if got == k else None
 
 
 @functools.lru_cache(maxsize=256)
@@ -90,17 +199,11 @@ def _row_offsets(rows, cols, device):
 
 
 def _sampled_threshold(p, k):
-    """A magnitude that at least k entries of ``p`` reach, with high probability, and not many more.
-
-    Of a sample of ``s`` entries, about ``k s / numel`` (binomially distributed) reach the k-th
-    largest magnitude; the threshold is the sample's ``r``-th largest magnitude, ``r`` four standard
-    deviations above that, so about ``k (1 + 4 / sqrt(k s / numel))`` entries reach it.
-    """
+    """A magnitude that at least k entries of ``p`` reach, with high probability, and not many more
+    (see :func:`_sample_plan`)."""
     numel = p.numel()
-    size = min(numel, max(4096, min(65536, numel // 256)))
+    size, rank = _sample_plan(numel, k)
     magnitudes = p.index_select(0, _sample_positions(numel, size, p.device)).abs_()
-    expected = k * size / numel
-    rank = int(math.ceil(expected + 4.0 * math.sqrt(expected) + 4.0))
     if rank >= size:
         return 0.0
     return float(torch.kthvalue(magnitudes, size - rank + 1).values)
@@ -155,6 +258,70 @@ def filter_memory_(memory, grad, indices, memory_at_indices, values, sent, beta)
     ``(m[I], p[I])`` from :func:`take` taken before any change to ``memory`` and ``sent`` the values
     as they travel (``p[I]`` rounded to the value dtype). ``memory_at_indices`` is overwritten."""
     memory.add_(grad.reshape(-1), alpha=beta)
+    fix_memory_at_indices_(memory, indices, memory_at_indices, values, sent, beta)
+
+
+def take_checking(memory, grad, indices, check=True):
+    """Step 3 on every rank: ``(m[I], p[I], finite)`` like :func:`take`, ``finite`` telling whether
+    every entry of ``g`` is (with ``check``; else True): a rank with a non-finite gradient sends NaN,
+    so that all skip the memory update (see :func:`filter_and_scatter_`). One read-only pass in C on
+    contiguous fp32 CPU tensors."""
+    flat = grad.reshape(-1)
+    indices = indices.reshape(-1).to(torch.int64)
+    if _native_applies(memory, flat) and indices.device.type == "cpu" and indices.is_contiguous():
+        k = indices.numel()
+        memory_at_indices, values = torch.empty(k), torch.empty(k)
+        status = native.library().hsc_take(memory.data_ptr(), flat.data_ptr(), flat.numel(), indices.data_ptr(),
+                                           k, memory_at_indices.data_ptr(), values.data_ptr(), int(check))
+        if status < 0:
+            raise IndexError(_out_of_range(indices, flat.numel()))
+        return memory_at_indices, values, bool(status)
+    memory_at_indices, values = take(memory, flat, indices)
+    return memory_at_indices, values, bool(torch.isfinite(flat).all()) if check else True
+
+
+def filter_and_scatter_(memory, grad, indices, reduced, memory_at_indices, values, sent, beta):
+    """Steps 4-5 once the reduced values are known, in place: if every reduced value is finite, the
+    memory update of :func:`filter_memory_`; in every case ``grad`` (contiguous) becomes zeros with
+    ``reduced`` at ``indices``. Returns whether the memory was updated. ``(m[I], p[I])`` are those
+    of :func:`take_checking`, ``sent`` the values as this rank sent them. On contiguous fp32 CPU
+    tensors one pass in C reads and writes m and g once (ascending indices are fastest)."""
+    flat = grad.view(-1)
+    indices = indices.reshape(-1).to(torch.int64)
+    reduced = reduced.reshape(-1).to(flat.dtype)
+    if _native_applies(memory, flat, reduced) and indices.device.type == "cpu":
+        order = None
+        while True:
+            status = native.library().hsc_filter_scatter(
+                memory.data_ptr(), flat.data_ptr(), flat.numel(), ctypes.c_float(beta), ctypes.c_float(1.0 - beta),
+                indices.data_ptr(), indices.numel(), reduced.data_ptr())
+            if status != -2 or order is not None:
+                break
+            order = indices.argsort()  # not ascending: the same pass over the sorted pairs
+            indices, reduced = indices[order], reduced[order]
+            values, sent = values[order], sent.reshape(-1)[order]
+        if status < 0:
+            raise IndexError(_out_of_range(indices, flat.numel()))
+        if status == 1 and sent.dtype != values.dtype:  # memory[I] is (1 - beta) m[I] so far
+            at = memory.index_select(0, indices)
+            at.add_(values - sent.to(values.dtype), alpha=beta)
+            memory.index_copy_(0, indices, at)
+        return bool(status)
+    finite = bool(torch.isfinite(reduced).all())
+    if finite:
+        filter_memory_(memory, flat, indices, memory_at_indices, values, sent, beta)
+    scatter_dense_(grad, reduced, indices)
+    return finite
+
+
+def _out_of_range(indices, numel):
+    return (f"indices must lie in [0, {numel}) for a tensor of {numel} entries, got "
+            f"{int(indices.min())}..{int(indices.max())}")
+
+
+def fix_memory_at_indices_(memory, indices, memory_at_indices, values, sent, beta):
+    """Step 4 on I: ``memory[I] = (1 - beta) m[I] + beta (p[I] - sent)`` (k-sized), with the
+    ``(m[I], p[I])`` of :func:`take` (``memory_at_indices`` is overwritten)."""
     memory_at_indices.mul_(1.0 - beta)
     if sent.dtype != values.dtype:
         memory_at_indices.add_(values - sent.to(values.dtype), alpha=beta)

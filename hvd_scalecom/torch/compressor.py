@@ -11,6 +11,12 @@ Per parameter and step (see :mod:`hvd_scalecom.torch.clt_k` for the equations):
    then writes the reduced values, over zeros, into the gradient's own storage (nothing of the
    tensor's size is allocated on the way; the leader's ``p`` lives in one reused scratch buffer).
 
+On contiguous fp32 CPU tensors (where the C kernels of :mod:`hvd_scalecom.native` can be built) each
+side is one pass: ``compress`` reads ``m`` and ``g`` once (the leader selects as it reads; every rank
+takes ``m[I]``, ``p[I]`` and checks finiteness), and ``decompress`` updates ``m`` and writes the
+reduced values over zeros into ``g`` in one pass over both. ``HVD_SCALECOM_NATIVE=0`` uses torch
+operations instead (the same values, bit for bit).
+
 Deadlock freedom: Horovod calls ``compress`` from each parameter's gradient hook, in an order that
 can differ between ranks (dynamic graphs, parameters without a gradient that Horovod reduces later in
 ``synchronize()``). A rank that is not the leader of a tensor therefore posts its receiving broadcast
@@ -160,13 +166,13 @@ class ScaleCom(Compressor):
         slot.step += 1
         wait_from = time.perf_counter()
         sending = None  # the leader's own broadcast, completed in decompress (never waited for here)
+        taken = None  # (m_i[I], p_i[I], finite) when the selection took them
         if slot.posted is not None and slot.posted[0] == t:
             indices = self._wait(slot, t, rank, size)  # posted ahead, or selected a step ago
         elif rank == leader:
-            p = clt_k.error_compensated_into(self._scratch(slot.memory), slot.memory, tensor)
             select_from = time.perf_counter()
-            indices = clt_k.select_top_k(p, k, self.config.selection)
-            del p
+            indices, *taken = clt_k.select_and_take(slot.memory, tensor, k, self.config.selection,
+                                                    scratch=self._scratch(slot.memory))
             wait_from += time.perf_counter() - select_from
             sending = self._broadcast_async(slot, indices.to(self._index_dtype(numel)), leader)
             if self.config.pipelined:  # the next step's broadcast of this name starts below
@@ -178,12 +184,14 @@ class ScaleCom(Compressor):
         if self.config.pipelined and self.config.is_compressed(numel, t + 1):
             self._select_ahead(slot, tensor, t + 1, rank, size)
         indices = indices.to(torch.int64)
-        memory_at_indices, exact_values = clt_k.take(slot.memory, tensor, indices)  # m_i[I], p_i[I]
+        if taken is None:
+            taken = clt_k.take_checking(slot.memory, tensor, indices)
+        memory_at_indices, exact_values, finite = taken  # m_i[I], p_i[I]
         values = exact_values.to(self._value_dtype or tensor.dtype)
-        # A non-finite gradient anywhere on this rank makes the values it sends NaN, so that every
-        # rank sees a non-finite reduction and skips this tensor's memory update (see decompress).
-        finite = torch.isfinite(torch.sum(tensor, dtype=torch.float32))
-        values = torch.where(finite, values, torch.full_like(values, float("nan")))
+        if not finite:
+            # A non-finite gradient anywhere on this rank makes the values it sends NaN, so that every
+            # rank sees a non-finite reduction and skips this tensor's memory update (see decompress).
+            values = torch.full_like(values, float("nan"))
         self.traffic.record(
             t, index_bytes=k * self.config.index_itemsize(numel), value_bytes=k * values.element_size(),
             uncompressed_bytes=dense_bytes, index_wait_seconds=waited,
@@ -198,16 +206,19 @@ class ScaleCom(Compressor):
         start = time.perf_counter()
         slot, t, indices, grad, memory_at_indices, exact_values, sending = ctx
         self._synchronize(sending, slot)  # long done: every rank received it before reducing
-        if bool(torch.isfinite(tensor).all()):
-            sent = exact_values.to(self._value_dtype or grad.dtype)  # as this rank sent them
-            clt_k.filter_memory_(slot.memory, grad, indices, memory_at_indices, exact_values, sent,
-                                 self.config.beta)
+        sent = exact_values.to(self._value_dtype or grad.dtype)  # as this rank sent them
+        if grad.is_contiguous():  # the gradient's storage, now read, receives the result
+            out = grad
+            updated = clt_k.filter_and_scatter_(slot.memory, grad, indices, tensor, memory_at_indices,
+                                                exact_values, sent, self.config.beta)
         else:
-            self.nonfinite_skips += 1
-        if grad.is_contiguous():
-            out = clt_k.scatter_dense_(grad, tensor, indices)  # the gradient's storage, now read
-        else:
+            updated = bool(torch.isfinite(tensor).all())
+            if updated:
+                clt_k.filter_memory_(slot.memory, grad, indices, memory_at_indices, exact_values, sent,
+                                     self.config.beta)
             out = clt_k.scatter_dense(tensor, indices, grad.numel(), grad.dtype).view(grad.shape)
+        if not updated:
+            self.nonfinite_skips += 1
         self.traffic.add_time(t, time.perf_counter() - start)
         return out
 
@@ -384,9 +395,9 @@ class ScaleCom(Compressor):
         every rank starts that broadcast without waiting for it."""
         leader = self.config.leader_rank(t, size, slot.index)
         if leader == rank:
-            p = clt_k.error_compensated_into(self._scratch(slot.memory), slot.memory, grad)
-            numel = p.numel()
-            buffer = clt_k.select_top_k(p, self.config.num_selected(numel), self.config.selection)
+            numel = slot.memory.numel()
+            buffer = clt_k.select_top_k_of_sum(slot.memory, grad, self.config.num_selected(numel),
+                                               self.config.selection, scratch=self._scratch(slot.memory))
             buffer = buffer.to(self._index_dtype(numel))
         else:
             buffer = self._index_buffer(slot)

@@ -31,8 +31,9 @@ set_kwargs = {"process_set": process_set} if process_set is not None else {}
 class Net(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.hidden = torch.nn.Linear(48, 64)   # weight 3072 entries, bias 64
-        self.out = torch.nn.Linear(64, 10)      # weight 640, bias 10
+        width = opts.get("hidden", 64)
+        self.hidden = torch.nn.Linear(48, width)   # weight 3072 entries, bias 64 (by default)
+        self.out = torch.nn.Linear(width, 10)      # weight 640, bias 10
         if opts.get("embedding"):
             self.embed = torch.nn.Embedding(50, 48, sparse=True)
         if opts.get("tied_embedding"):  # one Parameter in two modules: named_parameters() lists it once

@@ -1,0 +1,96 @@
+"""ScaleCom's per-tensor passes in C (``scalecom_kernels.c``), called through ctypes on raw pointers.
+
+The source ships with the package and is compiled at first use with the system C compiler
+(``$CC``, else ``cc``/``gcc``; ``-O3 -march=native``) into ``$HVD_SCALECOM_CACHE`` (default
+``~/.cache/hvd_scalecom/native``), keyed by the source, the flags, the compiler and the CPU's
+features, so that processes starting together or nodes sharing a home directory never load a
+library built for another CPU. :func:`library` returns None (and warns once) where no compiler
+works, or where ``HVD_SCALECOM_NATIVE=0``: the callers then use torch operations, which compute
+the same values.
+"""
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+
+SOURCE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scalecom_kernels.c")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
+
+_library = None
+_tried = False
+
+
+def enabled():
+    """False when ``HVD_SCALECOM_NATIVE`` is set to 0 (use torch operations only)."""
+    return os.environ.get("HVD_SCALECOM_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def library():
+    """The compiled kernels (a ``ctypes.CDLL``), or None where they are disabled or cannot be built."""
+    global _library, _tried
+    if not enabled():
+        return None
+    if not _tried:
+        _tried = True
+        try:
+            _library = _declare(ctypes.CDLL(_build()))
+        except (OSError, RuntimeError) as err:
+            warnings.warn(f"hvd_scalecom: the C kernels are unavailable ({err}); using torch operations "
+                          f"(slower on the CPU, same results)", RuntimeWarning, stacklevel=2)
+    return _library
+
+
+def _cpu_features():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build():
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler found (set CC)")
+    with open(SOURCE_PATH, "rb") as f:
+        source = f.read()
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), os.path.realpath(compiler).encode(),
+                                     _cpu_features().encode()])).hexdigest()[:20]
+    cache = os.environ.get("HVD_SCALECOM_CACHE",
+                           os.path.join(os.path.expanduser("~"), ".cache", "hvd_scalecom", "native"))
+    target = os.path.join(cache, f"scalecom_kernels_{key}.so")
+    if os.path.exists(target):
+        return target
+    os.makedirs(cache, exist_ok=True)
+    fd, partial = tempfile.mkstemp(prefix=".building_", suffix=".so", dir=cache)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, "-o", partial, SOURCE_PATH, "-lm"],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+        os.replace(partial, target)  # atomic: ranks building at once each install a whole library
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+    return target
+
+
+def _declare(lib):
+    i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    lib.hsc_select.restype = i64
+    lib.hsc_select.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr,
+                               ptr]
+    lib.hsc_take.restype = i32
+    lib.hsc_take.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, i32]
+    lib.hsc_filter_scatter.restype = i32
+    lib.hsc_filter_scatter.argtypes = [ptr, ptr, i64, f32, f32, ptr, i64, ptr]
+    return lib

@@ -1,0 +1,156 @@
+"""The C kernels (hvd_scalecom.native) against the torch operations of clt_k: the same indices and the
+same floats, bit for bit, on every path they take (vector body, unaligned heads, tails, fallbacks)."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hvd_scalecom import native
+from hvd_scalecom.torch import clt_k
+
+BETA = 0.1
+
+
+def test_the_kernels_build_where_a_compiler_exists():
+    assert shutil.which("cc") or shutil.which("gcc"), "a C compiler is part of the set-up"
+    assert native.library() is not None
+
+
+def inputs(numel, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return 0.5 * torch.randn(numel, generator=gen), torch.randn(numel, generator=gen)
+
+
+def reference(memory, grad, indices, reduced, beta=BETA):
+    """Steps 3-5 with torch operations on copies: (new memory, new gradient, m[I], p[I])."""
+    new = memory.clone()
+    at, values = clt_k.take(new, grad, indices)
+    kept = at.clone()
+    clt_k.filter_memory_(new, grad, indices, at, values, values, beta)
+    return new, clt_k.scatter_dense(reduced, indices, grad.numel(), grad.dtype), kept, values
+
+
+def run_both_steps(memory, grad, indices, taken, reduced_of, sent_dtype=None):
+    """compress's taken (m[I], p[I], finite), then decompress's filter_and_scatter_, as the compressor
+    calls them; returns the reduced values."""
+    memory_at, values, finite = taken
+    sent = values if sent_dtype is None else values.to(sent_dtype)
+    reduced = reduced_of(values)
+    updated = clt_k.filter_and_scatter_(memory, grad, indices, reduced, memory_at, values, sent, BETA)
+    return finite, updated, reduced
+
+
+@pytest.mark.parametrize("numel", [70_001, 1 << 20, 1_000_003])
+@pytest.mark.parametrize("ratio", [0.01, 0.001])
+def test_leader_steps_equal_top_k_and_the_torch_memory_update(numel, ratio):
+    memory, grad = inputs(numel)
+    k = max(1, round(ratio * numel))
+    exact = torch.topk((memory + grad).abs(), k).indices.sort().values
+    new, new_grad, kept, values = reference(memory, grad, exact, 0.5 * (memory + grad)[exact])
+    indices, at, taken, finite = clt_k.select_and_take(memory, grad, k, "threshold")
+    assert finite
+    assert torch.equal(indices, exact)  # ascending
+    assert torch.equal(at, kept) and torch.equal(taken, values)
+    _, updated, _ = run_both_steps(memory, grad, indices, (at, taken, finite), lambda v: 0.5 * v)
+    assert updated
+    assert torch.equal(memory, new) and torch.equal(grad, new_grad)
+
+
+@pytest.mark.parametrize("order", ["ascending", "shuffled"])
+@pytest.mark.parametrize("tail", [0, 5, 15])
+def test_non_leader_steps_in_any_order_and_with_tails(order, tail):
+    numel = 300_000 + tail
+    memory, grad = inputs(numel, seed=1)
+    indices = torch.randperm(numel, generator=torch.Generator().manual_seed(2))[:3000]
+    indices[0], indices[1] = numel - 1, 0  # the scalar tail and the first lane
+    indices = indices.sort().values if order == "ascending" else indices
+    reduced = torch.randn(3000, generator=torch.Generator().manual_seed(3))
+    new, new_grad, kept, values = reference(memory, grad, indices, reduced)
+    at, taken, finite = clt_k.take_checking(memory, grad, indices)
+    assert finite and torch.equal(at, kept) and torch.equal(taken, values)  # in the order asked for
+    _, updated, _ = run_both_steps(memory, grad, indices, (at, taken, finite), lambda v: reduced)
+    assert updated and torch.equal(memory, new) and torch.equal(grad, new_grad)
+
+
+def test_fp16_values_keep_their_rounding_error_in_the_memory():
+    numel = 200_000
+    memory, grad = inputs(numel, seed=5)
+    reference_memory, reference_grad = memory.clone(), grad.clone()
+    indices = torch.arange(0, numel, 97)
+    at, values = clt_k.take(reference_memory, reference_grad, indices)
+    sent = values.to(torch.float16)
+    clt_k.filter_memory_(reference_memory, reference_grad, indices, at, values, sent, BETA)
+    taken = clt_k.take_checking(memory, grad, indices)
+    run_both_steps(memory, grad, indices, taken, lambda v: v.to(torch.float16), torch.float16)
+    assert torch.equal(memory, reference_memory)
+
+
+def test_select_of_p_and_of_the_sum_agree_with_the_torch_threshold_path():
+    memory, grad = inputs(2_000_000, seed=3)
+    p = memory + grad
+    k = 20_000
+    fast = clt_k.select_top_k(p, k, "threshold")
+    assert torch.equal(fast, clt_k.select_top_k_of_sum(memory, grad, k, "threshold"))
+    assert torch.equal(fast, torch.topk(p.abs(), k).indices.sort().values)
+    threshold = clt_k._sampled_threshold(p, k)  # the torch version of the same threshold
+    candidates, magnitudes = clt_k._at_least(p, threshold)
+    torch_path = candidates.index_select(0, torch.topk(magnitudes, k).indices)
+    assert torch.equal(fast, torch_path.sort().values)
+
+
+def test_ties_zeros_and_fallbacks_still_give_an_exact_top_k():
+    numel = 100_000
+    ties = torch.ones(numel)
+    ties[::7] = 2.0
+    indices, _, _, _ = clt_k.select_and_take(ties, torch.zeros(numel), 1000, "threshold")
+    assert torch.equal(indices, torch.arange(0, 7000, 7))  # ties go to the lowest indices
+    zeros = torch.zeros(numel)
+    zeros[5] = 3.0
+    indices, at, taken, finite = clt_k.select_and_take(zeros, torch.zeros(numel), 10, "threshold")
+    assert finite and 5 in indices.tolist() and taken.abs().sum() == 3.0  # t = 0: the full top-k
+    assert torch.equal(at, zeros[indices])
+
+
+@pytest.mark.parametrize("where", [0, 17, 99_999])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_gradient_is_reported(where, bad):
+    memory, grad = inputs(100_000, seed=4)
+    grad[where] = bad
+    assert not clt_k.select_and_take(memory, grad, 1000, "threshold")[3]
+    assert not clt_k.take_checking(memory, grad, torch.arange(10))[2]
+    assert not clt_k.take_checking(memory, grad, torch.arange(10, 0, -1))[2]
+
+
+def test_a_non_finite_reduction_leaves_the_memory_and_still_writes_the_gradient():
+    memory, grad = inputs(100_000, seed=6)
+    before = memory.clone()
+    indices = torch.tensor([3, 50, 99_998])
+    reduced = torch.tensor([1.0, float("nan"), 2.0])
+    assert not clt_k.filter_and_scatter_(memory, grad, indices, reduced, None, reduced, reduced, BETA)
+    assert torch.equal(memory, before)
+    expected = torch.zeros(100_000)
+    expected[indices] = reduced
+    assert torch.equal(grad.nan_to_num(7.0), expected.nan_to_num(7.0))
+
+
+def test_bad_indices_raise_before_anything_is_written():
+    memory, grad = inputs(10_000)
+    memory_before, grad_before = memory.clone(), grad.clone()
+    with pytest.raises(IndexError, match=r"indices must lie in \[0, 10000\)"):
+        clt_k.take_checking(memory, grad, torch.tensor([5, 10_000]))
+    with pytest.raises(IndexError, match="indices must lie"):
+        clt_k.filter_and_scatter_(memory, grad, torch.tensor([-1, 4]), torch.ones(2), None, torch.ones(2),
+                                  torch.ones(2), BETA)
+    assert torch.equal(grad, grad_before) and torch.equal(memory, memory_before)
+
+
+def test_disabled_by_the_environment_variable():
+    code = ("import torch; from hvd_scalecom import native; from hvd_scalecom.torch import clt_k; "
+            "assert native.library() is None; "
+            "assert clt_k.take_checking(torch.zeros(4), torch.zeros(4), torch.tensor([1]))[2]")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ,
+                                                                 "HVD_SCALECOM_NATIVE": "0"})
