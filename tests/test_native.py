@@ -154,3 +154,13 @@ def test_disabled_by_the_environment_variable():
             "assert clt_k.take_checking(torch.zeros(4), torch.zeros(4), torch.tensor([1]))[2]")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ,
                                                                  "HVD_SCALECOM_NATIVE": "0"})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_all_finite_sees_nan_and_both_infinities(dtype):
+    clean = torch.randn(1000).to(dtype)
+    assert clt_k.all_finite(clean) and clt_k.all_finite(clean[:0])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        poisoned = clean.clone()
+        poisoned[123] = bad
+        assert not clt_k.all_finite(poisoned)

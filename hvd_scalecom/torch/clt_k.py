@@ -7,13 +7,14 @@ Notation of Chen et al. (NeurIPS 2020), Algorithm 1, for one tensor on rank i at
 2. ``I = top_k(|p_j|)`` on the leader j                   (CLT-k, :func:`select_top_k`)
 3. ``v_i = p_i[I]``, averaged over ranks                  (:func:`take`)
 4. ``m_i <- (1 - beta) m_i + beta (p_i - scatter(I, v_i))`` (low-pass filter, :func:`filter_memory_`;
-   :func:`take_and_filter_memory_` does 3 and 4 together; :func:`filter_memory_into` and
-   :func:`fix_memory_at_indices_` do 4 out of place)
+   :func:`take_and_filter_memory_` does 3 and 4 together)
 5. the update applies ``scatter(I, mean_i v_i)``          (:func:`scatter_dense`)
 
-All functions work on flat (1-D) views, on any device, without Python loops over entries. On
-contiguous fp32 CPU tensors the selection and the dense pass of step 4 run as single passes in C
-(:mod:`hvd_scalecom.native`), which compute the same values as the torch operations (tested).
+The Horovod compressor calls :func:`select_and_take` (leader) or :func:`take_checking` (steps 1-3)
+in ``compress`` and :func:`filter_and_scatter_` (steps 4-5) in ``decompress``. All functions work on
+flat (1-D) views, on any device, without Python loops over entries. On contiguous fp32 CPU tensors
+those three run as single passes in C (:mod:`hvd_scalecom.native`), which compute the same floats
+as the torch operations (``tests/test_native.py``).
 """
 
 import ctypes
@@ -87,28 +88,39 @@ def select_top_k_of_sum(memory, grad, k, selection="exact", scratch=None):
     """Steps 1-2 on the leader: ``select_top_k(m + g, k, selection)``, with ``p`` formed in
     ``scratch`` (see :func:`error_compensated_into`) or a new tensor, except where the C kernels
     apply (see :func:`select_and_take`)."""
-    return select_and_take(memory, grad, k, selection, scratch, check=False)[0]
+    selected = _native_select_of_sum(memory, grad, k, selection)
+    if selected is not None:
+        return selected[0]
+    return _select_of_sum(memory, grad, k, selection, scratch)
 
 
-def select_and_take(memory, grad, k, selection="exact", scratch=None, check=True):
+def select_and_take(memory, grad, k, selection="exact", scratch=None):
     """Steps 1-3 on the leader: ``(I, m[I], p[I], finite)``, ``finite`` telling whether every entry of
-    ``g`` is (with ``check``; else True). With ``"threshold"`` on contiguous fp32 CPU tensors this
-    is one read-only pass in C that compares ``|m + g|`` as it reads m and g (``p`` never exists) and
-    keeps ``m``, ``g`` of the candidates; ``I`` comes ascending."""
+    ``g`` is. With ``"threshold"`` on contiguous fp32 CPU tensors this is one read-only pass in C
+    that compares ``|m + g|`` as it reads m and g (``p`` never exists) and keeps ``m`` and ``g`` of
+    the candidates; ``I`` comes ascending. Otherwise :func:`select_top_k_of_sum`, then
+    :func:`take_checking`."""
+    selected = _native_select_of_sum(memory, grad, k, selection)
+    if selected is not None:
+        return selected
+    indices = _select_of_sum(memory, grad, k, selection, scratch)
+    return (indices, *take_checking(memory, grad, indices))
+
+
+def _select_of_sum(memory, grad, k, selection, scratch):
+    grad = grad.reshape(-1)
+    p = error_compensated(memory, grad) if scratch is None else error_compensated_into(scratch, memory, grad)
+    return select_top_k(p, k, selection)
+
+
+def _native_select_of_sum(memory, grad, k, selection):
+    """:func:`_native_select` of ``(m, g)`` where it applies, else None."""
     grad = grad.reshape(-1)
     numel = memory.numel()
     if (selection == "threshold" and k < numel and _thresholded(numel, k)
             and _native_applies(memory, grad)):
-        selected = _native_select(memory, grad, k)
-        if selected is not None:
-            return selected
-    if scratch is not None:
-        p = error_compensated_into(scratch, memory, grad)
-    else:
-        p = error_compensated(memory, grad)
-    indices = select_top_k(p, k, selection)
-    del p
-    return (indices, *take_checking(memory, grad, indices, check))
+        return _native_select(memory, grad, k)
+    return None
 
 
 _THRESHOLD_MIN_NUMEL = 1 << 16  # below this, torch.topk is about as fast
@@ -277,7 +289,16 @@ def take_checking(memory, grad, indices, check=True):
             raise IndexError(_out_of_range(indices, flat.numel()))
         return memory_at_indices, values, bool(status)
     memory_at_indices, values = take(memory, flat, indices)
-    return memory_at_indices, values, bool(torch.isfinite(flat).all()) if check else True
+    return memory_at_indices, values, all_finite(flat) if check else True
+
+
+def all_finite(tensor):
+    """Whether every entry is finite, from one read-only reduction (NaN propagates through min and
+    max; ``torch.isfinite(t).all()`` would first write a mask of the tensor's size)."""
+    if tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
 def filter_and_scatter_(memory, grad, indices, reduced, memory_at_indices, values, sent, beta):
@@ -307,7 +328,7 @@ def filter_and_scatter_(memory, grad, indices, reduced, memory_at_indices, value
             at.add_(values - sent.to(values.dtype), alpha=beta)
             memory.index_copy_(0, indices, at)
         return bool(status)
-    finite = bool(torch.isfinite(reduced).all())
+    finite = all_finite(reduced)
     if finite:
         filter_memory_(memory, flat, indices, memory_at_indices, values, sent, beta)
     scatter_dense_(grad, reduced, indices)

@@ -212,7 +212,7 @@ class ScaleCom(Compressor):
             updated = clt_k.filter_and_scatter_(slot.memory, grad, indices, tensor, memory_at_indices,
                                                 exact_values, sent, self.config.beta)
         else:
-            updated = bool(torch.isfinite(tensor).all())
+            updated = clt_k.all_finite(tensor)
             if updated:
                 clt_k.filter_memory_(slot.memory, grad, indices, memory_at_indices, exact_values, sent,
                                      self.config.beta)
