@@ -164,3 +164,27 @@ def test_all_finite_sees_nan_and_both_infinities(dtype):
         poisoned = clean.clone()
         poisoned[123] = bad
         assert not clt_k.all_finite(poisoned)
+
+
+def test_processes_building_at_once_into_an_empty_cache_all_load_one_library(tmp_path):
+    """Ranks start together: each may compile, each installs a whole library atomically."""
+    code = ("import torch, warnings; warnings.simplefilter('error'); from hvd_scalecom import native; "
+            "from hvd_scalecom.torch import clt_k; assert native.library() is not None; "
+            "m, g = torch.zeros(100), torch.ones(100); "
+            "assert clt_k.take_checking(m, g, torch.tensor([3]))[1].item() == 1.0")
+    env = {**os.environ, "HVD_SCALECOM_CACHE": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env) for _ in range(3)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
+    built = sorted(path.name for path in tmp_path.iterdir())
+    assert len(built) == 1 and built[0].startswith("scalecom_kernels_") and built[0].endswith(".so")
+
+
+def test_a_missing_compiler_warns_and_falls_back_to_torch_operations(tmp_path):
+    code = ("import torch, warnings; from hvd_scalecom import native; from hvd_scalecom.torch import clt_k\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            "    assert native.library() is None\n"
+            "assert 'C kernels are unavailable' in str(caught[0].message)\n"
+            "assert clt_k.take_checking(torch.zeros(4), torch.ones(4), torch.tensor([1]))[1].item() == 1.0")
+    env = {**os.environ, "HVD_SCALECOM_CACHE": str(tmp_path), "CC": "no-such-compiler", "PATH": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
