@@ -4,25 +4,14 @@ The slow-link benchmark needs root and ``ip netns``; where they are missing it r
 skipped, and so does its test.
 """
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run_module(module, out, timeout):
-    proc = subprocess.run([sys.executable, "-m", module, "--smoke", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
+from benchmark_smoke import run_smoke
 
 
 def test_kernels_smoke(tmp_path):
     out = tmp_path / "performance.md"
-    run_module("benchmarks.kernels", out, timeout=300)
+    run_smoke("benchmarks.kernels", out, timeout=300)
     text = out.read_text()
     assert "<!-- kernels:begin -->" in text and "## Kernels" in text
     assert "| 100,000 | 0.01 | default |" in text and "| 100,000 | 0.001 | default |" in text
@@ -32,7 +21,7 @@ def test_kernels_smoke(tmp_path):
 def test_slow_link_smoke(tmp_path):
     out = tmp_path / "performance.md"
     out.write_text("# Performance\n\nkept\n")
-    stdout = run_module("benchmarks.slow_link", out, timeout=600)
+    stdout = run_smoke("benchmarks.slow_link", out, timeout=600)
     if "slow_link: skipped:" in stdout:
         pytest.skip(stdout.strip().splitlines()[-1])
     text = out.read_text()
