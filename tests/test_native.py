@@ -115,6 +115,29 @@ def test_ties_zeros_and_fallbacks_still_give_an_exact_top_k():
     assert torch.equal(at, zeros[indices])
 
 
+def exact_lowest_on_ties(p, k):
+    """The exact top-k of |p|, ties at the k-th magnitude going to the lowest indices, ascending."""
+    order = torch.sort(p.abs(), descending=True, stable=True).indices  # stable: lower index first
+    return order[:k].sort().values
+
+
+@pytest.mark.parametrize("case", ["few distinct values", "infinite entries", "wide exponents"])
+def test_the_radix_selection_of_the_k_th_magnitude_is_exact(case):
+    gen = torch.Generator().manual_seed(9)
+    numel, k = 200_003, 2_000
+    if case == "few distinct values":  # many candidates tie with the k-th magnitude
+        p = torch.randint(1, 40, (numel,), generator=gen).float().sub_(20.0).div_(8.0)
+    elif case == "infinite entries":  # +-inf magnitudes rank first (bit pattern 0x7f800000)
+        p = torch.randn(numel, generator=gen)
+        p[torch.randint(0, numel, (300,), generator=gen)] = float("inf")
+        p[torch.randint(0, numel, (300,), generator=gen)] = -float("inf")
+    else:  # subnormals to 1e30: the bit patterns span most of the float range
+        p = torch.randn(numel, generator=gen) * torch.pow(10.0, torch.randint(-44, 30, (numel,), generator=gen).float())
+    indices, at, taken, _ = clt_k.select_and_take(p, torch.zeros(numel), k, "threshold")
+    assert torch.equal(indices, exact_lowest_on_ties(p, k))
+    assert torch.equal(at, p[indices]) and torch.equal(taken, p[indices])
+
+
 @pytest.mark.parametrize("where", [0, 17, 99_999])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_non_finite_gradient_is_reported(where, bad):
@@ -130,7 +153,7 @@ def test_a_non_finite_reduction_leaves_the_memory_and_still_writes_the_gradient(
     before = memory.clone()
     indices = torch.tensor([3, 50, 99_998])
     reduced = torch.tensor([1.0, float("nan"), 2.0])
-    assert not clt_k.filter_and_scatter_(memory, grad, indices, reduced, None, reduced, reduced, BETA)
+    assert not clt_k.filter_and_scatter_(memory, grad, indices, reduced, memory[indices], reduced, reduced, BETA)
     assert torch.equal(memory, before)
     expected = torch.zeros(100_000)
     expected[indices] = reduced
@@ -143,7 +166,7 @@ def test_bad_indices_raise_before_anything_is_written():
     with pytest.raises(IndexError, match=r"indices must lie in \[0, 10000\)"):
         clt_k.take_checking(memory, grad, torch.tensor([5, 10_000]))
     with pytest.raises(IndexError, match="indices must lie"):
-        clt_k.filter_and_scatter_(memory, grad, torch.tensor([-1, 4]), torch.ones(2), None, torch.ones(2),
+        clt_k.filter_and_scatter_(memory, grad, torch.tensor([-1, 4]), torch.ones(2), torch.ones(2), torch.ones(2),
                                   torch.ones(2), BETA)
     assert torch.equal(grad, grad_before) and torch.equal(memory, memory_before)
 

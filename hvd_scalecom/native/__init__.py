@@ -92,5 +92,5 @@ def _declare(lib):
     lib.hsc_take.restype = i32
     lib.hsc_take.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, i32]
     lib.hsc_filter_scatter.restype = i32
-    lib.hsc_filter_scatter.argtypes = [ptr, ptr, i64, f32, f32, ptr, i64, ptr]
+    lib.hsc_filter_scatter.argtypes = [ptr, ptr, i64, f32, f32, ptr, i64, ptr, ptr]
     return lib

@@ -16,24 +16,52 @@
 #include <immintrin.h>
 #endif
 
-static void swap_floats(float *a, float *b) { float t = *a; *a = *b; *b = t; }
+/* The streaming passes go by blocks: a block's whole vectors first (no branch per vector), then its
+ * few indices, while the block is still in L1. hsc_take's blocks are short, as the m[I] lines it
+ * requests one block ahead must arrive in time; hsc_filter_scatter's are longer, switching less
+ * often between streaming and patching (both sizes chosen by timing 1M- and 25M-entry tensors). */
+enum { TAKE_BLOCK = 512, FILTER_BLOCK = 4096, AHEAD = 32 /* gathers: lines requested this many ahead */ };
 
-/* The r-th largest (r from 1) of x[0..n), which it reorders (Hoare's selection). */
+static uint32_t float_bits(float x) { uint32_t u; memcpy(&u, &x, sizeof u); return u; }
+
+/* The r-th largest (r from 1, r <= n) of x[0..n), non-negative and not NaN, which it reorders: a
+ * radix selection on the bit patterns (ordered like the values for x >= 0). Each round counts
+ * BUCKETS-wide slices of the patterns' current range (one branch-free pass), keeps the slice that
+ * holds the r-th largest (compacted to the front) and narrows the range to it, until the range is
+ * one pattern: about two passes over x, where a comparison-based selection mispredicts a branch
+ * at almost every element. */
 static float kth_largest(float *x, int64_t n, int64_t r) {
-    int64_t lo = 0, hi = n - 1, want = r - 1;
-    while (lo < hi) {
-        float pivot = x[lo + (hi - lo) / 2];
-        int64_t i = lo, j = hi;
-        while (i <= j) {
-            while (x[i] > pivot) i++;
-            while (x[j] < pivot) j--;
-            if (i <= j) { swap_floats(&x[i], &x[j]); i++; j--; }
-        }
-        if (want <= j) hi = j;
-        else if (want >= i) lo = i;
-        else return x[want];
+    enum { BITS = 11, BUCKETS = 1 << BITS };
+    uint32_t lo = UINT32_MAX, hi = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t u = float_bits(x[i]);
+        lo = u < lo ? u : lo;
+        hi = u > hi ? u : hi;
     }
-    return x[want];
+    int64_t count[BUCKETS];
+    while (lo < hi) {
+        int shift = 0;
+        while (((hi - lo) >> shift) >= BUCKETS) shift++;
+        memset(count, 0, sizeof count);
+        for (int64_t i = 0; i < n; i++) count[(float_bits(x[i]) - lo) >> shift]++;
+        uint32_t bucket = (hi - lo) >> shift;
+        int64_t above = 0;
+        while (above + count[bucket] < r) above += count[bucket--];
+        int64_t kept = 0;
+        for (int64_t i = 0; i < n; i++) {
+            const float v = x[i];
+            x[kept] = v;
+            kept += ((float_bits(v) - lo) >> shift) == bucket;
+        }
+        n = kept;
+        r -= above;
+        const uint32_t base = lo + (bucket << shift), top = base + ((1u << shift) - 1);
+        hi = top < hi ? top : hi;
+        lo = base;
+    }
+    float out;
+    memcpy(&out, &lo, sizeof out);
+    return out;
 }
 
 /* Exact top-k of |a + b| (b may be NULL: |a|) into out_idx[0..k) in ascending index order, with
@@ -51,6 +79,10 @@ int64_t hsc_select(const float *restrict a, const float *restrict b, int64_t n, 
                    float *restrict scratch, int64_t *restrict out_idx, float *restrict a_at,
                    float *restrict p_at, int *finite_out) {
     for (int64_t i = 0; i < s; i++) {
+        if (i + AHEAD < s) {
+            __builtin_prefetch(a + sample[i + AHEAD], 0, 0);
+            if (b) __builtin_prefetch(b + sample[i + AHEAD], 0, 0);
+        }
         int64_t at = sample[i];
         float mag = fabsf(b ? a[at] + b[at] : a[at]);
         scratch[i] = mag == mag ? mag : 0.0f;
@@ -105,20 +137,22 @@ int64_t hsc_select(const float *restrict a, const float *restrict b, int64_t n, 
     int64_t above = 0;
     for (int64_t q = 0; q < c; q++) above += cand_mag[q] > kth;
     int64_t ties = k - above, o = 0;
-    for (int64_t q = 0; q < c; q++) {
-        if (cand_mag[q] > kth || (cand_mag[q] == kth && ties-- > 0)) {
-            out_idx[o] = cand_idx[q];
-            a_at[o] = cand_a[q];
-            p_at[o] = b ? cand_a[q] + cand_b[q] : cand_a[q];
-            o++;
-        }
+    for (int64_t q = 0; q < c && o < k; q++) {  /* branch-free: o advances past the chosen ones */
+        const int tie = cand_mag[q] == kth && ties > 0;
+        ties -= tie;
+        out_idx[o] = cand_idx[q];
+        a_at[o] = cand_a[q];
+        p_at[o] = b ? cand_a[q] + cand_b[q] : cand_a[q];
+        o += (cand_mag[q] > kth) | tie;
     }
     return o;
 }
 
 /* Step 3 on a non-leader: m_at = m[I], p_at = m[I] + g[I] (idx in any order; ascending is fastest),
  * and whether every g is finite (one read-only pass over g; with check 0 no pass, and 1 is returned).
- * Returns 1 or 0; -1 (before writing anything) if an index is out of [0, n). */
+ * The pass goes by blocks of TAKE_BLOCK entries: the block's g is checked (whole vectors, no branch), then
+ * the block's indices are taken from it while it is in L1, their m lines having been requested one
+ * block ahead. Returns 1 or 0; -1 (before writing anything) if an index is out of [0, n). */
 int hsc_take(const float *restrict m, const float *restrict g, int64_t n, const int64_t *restrict idx,
              int64_t k, float *restrict m_at, float *restrict p_at, int check) {
     int ascending = 1;
@@ -126,7 +160,6 @@ int hsc_take(const float *restrict m, const float *restrict g, int64_t n, const 
         if (idx[j] < 0 || idx[j] >= n) return -1;
         if (j > 0 && idx[j] <= idx[j - 1]) ascending = 0;
     }
-    enum { AHEAD = 32 };  /* m[I] lines requested this many indices ahead of their use */
     if (!check || !ascending) {
         for (int64_t j = 0; j < k; j++) {
             if (j + AHEAD < k) {
@@ -138,78 +171,74 @@ int hsc_take(const float *restrict m, const float *restrict g, int64_t n, const 
         }
         if (!check) return 1;
     }
-    /* the finiteness pass over g, taking g[I] (and m[I]) on the way when the indices ascend */
-    int64_t i = 0, j = 0;
+    int64_t j = 0, ahead = 0;
     int finite = 1;
+    for (int64_t lo = 0; lo < n; lo += TAKE_BLOCK) {
+        const int64_t hi = lo + TAKE_BLOCK < n ? lo + TAKE_BLOCK : n;
+        if (ascending)  /* the next block's m[I] lines */
+            for (; ahead < k && idx[ahead] < hi + TAKE_BLOCK; ahead++) __builtin_prefetch(m + idx[ahead], 0, 0);
+        int64_t i = lo;
 #ifdef __AVX512F__
-    const __m512 vmax = _mm512_set1_ps(FLT_MAX);
-    const __m512i absmask = _mm512_set1_epi32(0x7fffffff);
-    __mmask16 bad = 0;
-    for (; i + 16 <= n; i += 16) {
-        __m512 abs_g = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(g + i)), absmask));
-        bad |= _mm512_cmp_ps_mask(abs_g, vmax, _CMP_NLE_UQ);
-        if (ascending) {
-            for (; j < k && idx[j] < i + 16; j++) {
-                if (j + AHEAD < k) __builtin_prefetch(m + idx[j + AHEAD], 0, 0);
-                m_at[j] = m[idx[j]];
-                p_at[j] = m[idx[j]] + g[idx[j]];
-            }
+        const __m512 vmax = _mm512_set1_ps(FLT_MAX);
+        const __m512i absmask = _mm512_set1_epi32(0x7fffffff);
+        __mmask16 bad = 0;
+        for (; i + 16 <= hi; i += 16) {
+            __m512 abs_g = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(g + i)), absmask));
+            bad |= _mm512_cmp_ps_mask(abs_g, vmax, _CMP_NLE_UQ);  /* > FLT_MAX, or NaN */
         }
-    }
-    finite = bad == 0;
+        finite &= bad == 0;
 #endif
-    for (; i < n; i++) finite &= fabsf(g[i]) <= FLT_MAX;
-    if (ascending) {
-        for (; j < k; j++) {
-            m_at[j] = m[idx[j]];
-            p_at[j] = m[idx[j]] + g[idx[j]];
+        for (; i < hi; i++) finite &= fabsf(g[i]) <= FLT_MAX;
+        if (ascending) {
+            for (; j < k && idx[j] < hi; j++) {
+                const float mj = m[idx[j]];
+                m_at[j] = mj;
+                p_at[j] = mj + g[idx[j]];
+            }
         }
     }
     return finite;
 }
 
 /* Steps 4-5 in place, in one pass, once the reduced values are known: if every value is finite,
- *   off I: m = m + beta g (fmaf), at I: m = keep m (keep = 1 - beta; p - v = 0 for fp32 values);
- * then in every case g = 0 off I and g[I[j]] = values[j] (idx ascending). Returns 1 if the memory was
- * updated, 0 if a value was not finite (m untouched); -1 (before writing anything) if an index is
- * out of [0, n), -2 if the indices are not ascending. */
+ *   off I: m = m + beta g (fmaf), at I: m = keep m_at (keep = 1 - beta, m_at = m[I] as taken in
+ *   compress; p - v = 0 for fp32 values);
+ * then in every case g = 0 off I and g[I[j]] = values[j] (idx ascending). By blocks of FILTER_BLOCK entries:
+ * whole vectors over the block, then its indices patched while it is in L1 (m_at is only read when
+ * the memory is updated). Returns 1 if the memory was updated, 0 if a value was not finite (m
+ * untouched); -1 (before writing anything) if an index is out of [0, n), -2 if the indices are not
+ * ascending. */
 int hsc_filter_scatter(float *restrict m, float *restrict g, int64_t n, float beta, float keep,
-                       const int64_t *restrict idx, int64_t k, const float *restrict values) {
+                       const int64_t *restrict idx, int64_t k, const float *restrict values,
+                       const float *restrict m_at) {
     int update = 1;
     for (int64_t j = 0; j < k; j++) {
         if (idx[j] < 0 || idx[j] >= n) return -1;
         if (j > 0 && idx[j] <= idx[j - 1]) return -2;
         update &= fabsf(values[j]) <= FLT_MAX;
     }
-    int64_t i = 0, j = 0;
+    int64_t j = 0;
+    for (int64_t lo = 0; lo < n; lo += FILTER_BLOCK) {
+        const int64_t hi = lo + FILTER_BLOCK < n ? lo + FILTER_BLOCK : n;
+        int64_t i = lo;
 #ifdef __AVX512F__
-    const __m512 vbeta = _mm512_set1_ps(beta), zero = _mm512_setzero_ps();
-    for (; i + 16 <= n; i += 16) {
-        __m512 vm = _mm512_loadu_ps(m + i);
-        __m512 rm = update ? _mm512_fmadd_ps(vbeta, _mm512_loadu_ps(g + i), vm) : vm;
-        __m512 rg = zero;
-        if (j < k && idx[j] < i + 16) {  /* patch the lanes at I */
-            float lanes_m[16], lanes_g[16];
-            _mm512_storeu_ps(lanes_m, rm);
-            _mm512_storeu_ps(lanes_g, rg);
-            for (; j < k && idx[j] < i + 16; j++) {
-                if (update) lanes_m[idx[j] - i] = keep * m[idx[j]];
-                lanes_g[idx[j] - i] = values[j];
+        const __m512 vbeta = _mm512_set1_ps(beta), zero = _mm512_setzero_ps();
+        if (update) {
+            for (; i + 16 <= hi; i += 16) {
+                _mm512_storeu_ps(m + i, _mm512_fmadd_ps(vbeta, _mm512_loadu_ps(g + i), _mm512_loadu_ps(m + i)));
+                _mm512_storeu_ps(g + i, zero);
             }
-            rm = _mm512_loadu_ps(lanes_m);
-            rg = _mm512_loadu_ps(lanes_g);
-        }
-        if (update) _mm512_storeu_ps(m + i, rm);
-        _mm512_storeu_ps(g + i, rg);
-    }
-#endif
-    for (; i < n; i++) {
-        if (j < k && idx[j] == i) {
-            if (update) m[i] = keep * m[i];
-            g[i] = values[j++];
         } else {
+            for (; i + 16 <= hi; i += 16) _mm512_storeu_ps(g + i, zero);
+        }
+#endif
+        for (; i < hi; i++) {
             if (update) m[i] = fmaf(beta, g[i], m[i]);
             g[i] = 0.0f;
+        }
+        for (; j < k && idx[j] < hi; j++) {
+            if (update) m[idx[j]] = keep * m_at[j];
+            g[idx[j]] = values[j];
         }
     }
     return update;

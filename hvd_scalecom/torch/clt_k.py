@@ -312,14 +312,15 @@ def filter_and_scatter_(memory, grad, indices, reduced, memory_at_indices, value
     reduced = reduced.reshape(-1).to(flat.dtype)
     if _native_applies(memory, flat, reduced) and indices.device.type == "cpu":
         order = None
+        memory_at_indices = memory_at_indices.reshape(-1).to(memory.dtype).contiguous()
         while True:
             status = native.library().hsc_filter_scatter(
                 memory.data_ptr(), flat.data_ptr(), flat.numel(), ctypes.c_float(beta), ctypes.c_float(1.0 - beta),
-                indices.data_ptr(), indices.numel(), reduced.data_ptr())
+                indices.data_ptr(), indices.numel(), reduced.data_ptr(), memory_at_indices.data_ptr())
             if status != -2 or order is not None:
                 break
             order = indices.argsort()  # not ascending: the same pass over the sorted pairs
-            indices, reduced = indices[order], reduced[order]
+            indices, reduced, memory_at_indices = indices[order], reduced[order], memory_at_indices[order]
             values, sent = values[order], sent.reshape(-1)[order]
         if status < 0:
             raise IndexError(_out_of_range(indices, flat.numel()))
