@@ -9,13 +9,18 @@ One thread (as each Horovod worker here), fp32 gradient ``g`` and residue memory
 * floor: ``m.add_(g, alpha=beta)``, one pass reading g and m and writing m (12 bytes per entry),
   the least any error-feedback scheme must do;
 * leader / non-leader: the ``clt_k`` calls ``ScaleCom.compress`` and ``decompress`` make for one
-  tensor, without the communication: ``select_and_take`` (the leader's threshold top-k with ``m[I]``,
-  ``p[I]`` and the finiteness of g) or ``take_checking`` (a non-leader's), then
-  ``filter_and_scatter_`` (the memory update and the reduced values written over zeros into g),
-  with the C kernels (the default on contiguous fp32 CPU tensors: one read-only pass in compress,
-  one pass in place in decompress) and with torch operations (``HVD_SCALECOM_NATIVE=0``, and CUDA).
+  tensor, without the communication. The leader: ``select_and_take`` (threshold top-k with ``m[I]``,
+  ``p[I]`` and the finiteness of g, one read-only pass), then ``filter_and_scatter_`` (the memory
+  update and the reduced values written over zeros into g, one pass in place). A non-leader, on
+  tensors of ``clt_k._ADVANCE_MIN_NUMEL`` entries or more: ``take_advancing_`` (the new memory
+  written over g as m and g are read), then ``filter_and_scatter_advanced`` (the buffers traded,
+  the reduced values streamed over zeros into the old memory's); on smaller ones, and in the *in
+  place* column at every size, ``take_checking`` then ``filter_and_scatter_``. With the C kernels
+  (the default on contiguous fp32 CPU tensors) and with torch operations
+  (``HVD_SCALECOM_NATIVE=0``, and CUDA).
 
-Each variant runs once per round, in turn, on the same inputs (restored before every call, untimed);
+Each variant runs once per round (15 rounds; 60 for tensors of up to 2^22 entries), in turn, on the
+same inputs (restored before every call, untimed);
 a ratio is taken to the floor of the same round, and the table gives medians over rounds. With
 ``--environments`` the sizes are also measured in a child process started with
 ``THP_MEM_ALLOC_ENABLE=1`` (PyTorch's CPU allocator then uses transparent huge pages).
@@ -83,24 +88,22 @@ def measure(numel, ratio, rounds, with_exact=True):
     assert torch.equal(fast.sort().values, torch_fast.sort().values), "the C and torch selections differ"
     overlap = torch.isin(fast, exact).sum().item() / k
     received = fast.to(torch.int32)  # as a non-leader receives them
+    marks = clt_k.Marks(numel)  # kept by ScaleCom per parameter, from compress to decompress
 
     def leader(selection="threshold"):
         indices, memory_at, values, finite = clt_k.select_and_take(m, g, k, selection, scratch=scratch)
         indices.to(torch.int32)  # the broadcast buffer
         return clt_k.filter_and_scatter_(m, g, indices, values, memory_at, values, values, BETA)
 
-    def non_leader():
+    def non_leader(received=received, in_place=False):
+        """As ScaleCom does on a rank that did not select (the buffers of m and g traded where
+        ``may_advance``; ``m`` and ``g`` are restored before every call, whichever buffer is which)."""
         indices = received.to(torch.int64)
+        if not in_place and clt_k.may_advance(m, g):
+            memory_at, values, finite = clt_k.take_advancing_(m, g, indices, BETA, marks)
+            return clt_k.filter_and_scatter_advanced(m, g, indices, values, values, values, BETA, marks)
         memory_at, values, finite = clt_k.take_checking(m, g, indices)
         return clt_k.filter_and_scatter_(m, g, indices, values, memory_at, values, values, BETA)
-
-    no_indices, no_values = torch.empty(0, dtype=torch.int64), torch.empty(0)
-
-    def passes_alone():
-        """A non-leader's two passes with k = 0: the finiteness read of g in compress and the memory
-        update over g in decompress, the least this one-buffer design does (20 bytes per entry)."""
-        clt_k.take_checking(m, g, no_indices)
-        return clt_k.filter_and_scatter_(m, g, no_indices, no_values, no_values, no_values, no_values, BETA)
 
     def with_torch_operations(run, *args):
         def wrapped():
@@ -116,7 +119,8 @@ def measure(numel, ratio, rounds, with_exact=True):
         "floor": lambda: m.add_(g, alpha=BETA),
         "leader": leader,
         "non-leader": non_leader,
-        "non-leader, no indices": passes_alone,
+        "non-leader, k = 0": lambda: non_leader(received[:0]),
+        "non-leader, in place": lambda: non_leader(in_place=True),
         "leader, torch operations": with_torch_operations(leader),
         "non-leader, torch operations": with_torch_operations(non_leader),
         "selection (threshold, C)": lambda: clt_k.select_top_k(p0, k, "threshold"),
@@ -137,9 +141,14 @@ def measure(numel, ratio, rounds, with_exact=True):
 
 def child(args):
     torch.set_num_threads(1)
-    rows = [measure(numel, ratio, args.rounds, with_exact=not args.smoke)
+    rows = [measure(numel, ratio, rounds_for(numel, args), with_exact=not args.smoke)
             for numel in args.sizes for ratio in args.ratios]
     print("RESULT " + json.dumps(rows), flush=True)
+
+
+def rounds_for(numel, args):
+    """Tensors that fit in the caches take well under a millisecond and vary the most: 4x the rounds."""
+    return args.rounds * (4 if numel <= 1 << 22 and not args.smoke else 1)
 
 
 def run_environment(env_name, args):
@@ -170,31 +179,31 @@ def markdown(rows, command, load):
         "g and m, writes m in place); ratios are medians of per-round ratios to the floor measured in the",
         "same round; each cell gives the median ratio (the best round's time over the best floor).",
         "*Leader* and *non-leader* are the `clt_k` calls `ScaleCom.compress` + `decompress` make for one",
-        "tensor, without the communication, by default with the C kernels of `hvd_scalecom.native`:",
-        "compress is one read-only pass (the leader's threshold selection takes `m[I]`, `p[I]` and checks",
-        "that g is finite as it reads m and g; a non-leader reads g for finiteness and takes `m[I]`, `p[I]`",
-        "on the way), decompress one pass in place (the memory update, and the reduced values written",
-        "over zeros into g). *Torch operations*: the same steps as torch calls, the path taken with",
-        "`HVD_SCALECOM_NATIVE=0` and on CUDA. Both paths give bit-identical results (`tests/test_native.py`).",
+        "tensor, without the communication, by default with the C kernels of `hvd_scalecom.native`.",
+        "The leader: compress is one read-only pass (the threshold selection takes `m[I]`, `p[I]` and",
+        "checks that g is finite as it reads m and g), decompress one pass in place (the memory update,",
+        "and the reduced values written over zeros into g). A non-leader, on tensors of 2^21 entries or",
+        "more: compress is one pass that reads m and g, checks g, takes `m[I]`, `p[I]` and writes the new",
+        "memory over g; decompress streams the reduced values over zeros into m's buffer, and the two",
+        "buffers trade places (12 + 4 bytes per entry). *Non-leader, in place*, and a non-leader on",
+        "smaller tensors: compress reads g (finiteness, `m[I]`, `p[I]`), decompress updates m and writes",
+        "the gradient into g in place (4 + 16 bytes). *Non-leader, k = 0*: the non-leader's calls with",
+        "no indices. *Torch operations*: the same steps as torch calls, the path taken with",
+        "`HVD_SCALECOM_NATIVE=0` and on CUDA. All paths give bit-identical results (`tests/test_native.py`).",
         "Overlap: share of the exact top-k (`torch.topk` of `|p|`) that the `threshold` selection finds",
         "(both paths find the same set).",
         f"Load average of this 2-core machine: {load[0]:.1f} at the start, {load[1]:.1f} at the end.",
         "",
-        "*Non-leader, k = 0*: the same calls with no indices, i.e. the finiteness read of g (before",
-        "sending: a rank whose gradient is not finite sends NaN so that every rank skips the memory",
-        "update) and the pass in place: the least a non-leader of this design does with one memory",
-        "buffer (reads g, then reads m and g and writes both: 20 bytes per entry against the floor's 12).",
-        "",
         "| entries | ratio | allocator | floor | floor GB/s | leader | non-leader | non-leader, k = 0 | "
-        "leader, torch operations | non-leader, torch operations | leader, torch operations, exact top-k "
-        "| overlap |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "non-leader, in place | leader, torch operations | non-leader, torch operations | "
+        "leader, torch operations, exact top-k | overlap |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['numel']:,} | {r['ratio']:g} | {r['environment']} | {r['floor_ms']:.2f} ms | "
             f"{r['floor_gbps']:.1f} | {fmt(r, 'leader')} | {fmt(r, 'non-leader')} | "
-            f"{fmt(r, 'non-leader, no indices')} | "
+            f"{fmt(r, 'non-leader, k = 0')} | {fmt(r, 'non-leader, in place')} | "
             f"{fmt(r, 'leader, torch operations')} | {fmt(r, 'non-leader, torch operations')} | "
             f"{fmt(r, 'leader, torch operations, exact top-k')} | {r['overlap']:.4f} |")
     lines += [
@@ -244,7 +253,7 @@ def main(argv=None):
             rows.append(r)
             print(f"{r['numel']:>11,} ratio {r['ratio']:<6g} {env_name:24s} floor {r['floor_ms']:7.2f} ms "
                   f"({r['floor_gbps']:5.1f} GB/s)  leader {r['x']['leader']:5.2f}x  non-leader "
-                  f"{r['x']['non-leader']:5.2f}x (k=0 {r['x']['non-leader, no indices']:4.2f}x)  torch: leader {r['x']['leader, torch operations']:5.2f}x"
+                  f"{r['x']['non-leader']:5.2f}x (k=0 {r['x']['non-leader, k = 0']:4.2f}x, in place {r['x']['non-leader, in place']:4.2f}x)  torch: leader {r['x']['leader, torch operations']:5.2f}x"
                   f"  non-leader {r['x']['non-leader, torch operations']:5.2f}x  overlap {r['overlap']:.4f}",
                   flush=True)
     command = "python -m benchmarks.kernels" + (" --smoke" if args.smoke else "")

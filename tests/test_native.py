@@ -89,6 +89,95 @@ def test_fp16_values_keep_their_rounding_error_in_the_memory():
     assert torch.equal(memory, reference_memory)
 
 
+def advance_both_steps(memory, grad, indices, reduced_of, sent_dtype=None, marks=None):
+    """take_advancing_, then filter_and_scatter_advanced, as the compressor calls them on a rank that
+    did not select: returns (m[I], p[I], finite, gradient, memory, updated)."""
+    memory_at, values, finite = clt_k.take_advancing_(memory, grad, indices, BETA, marks)
+    sent = values if sent_dtype is None else values.to(sent_dtype)
+    out, new_memory, updated = clt_k.filter_and_scatter_advanced(memory, grad, indices, reduced_of(values), values,
+                                                                 sent, BETA, marks)
+    return memory_at, values, finite, out, new_memory, updated
+
+
+@pytest.mark.parametrize("order", ["ascending", "shuffled"])
+@pytest.mark.parametrize("tail", [0, 5, 15, 63])
+@pytest.mark.parametrize("ratio", [0.01, 0.3])
+@pytest.mark.parametrize("marks", ["kept", "rebuilt"])
+def test_advancing_pass_equals_the_in_place_passes_with_the_buffers_traded(order, tail, ratio, marks):
+    numel = 300_032 + tail  # a whole number of 64-entry words, then the tail
+    memory, grad = inputs(numel, seed=7)
+    k = int(ratio * numel)
+    indices = torch.randperm(numel, generator=torch.Generator().manual_seed(8))[:k]
+    indices[0], indices[1] = numel - 1, 0  # the scalar tail and the first lane
+    indices = torch.unique(indices)  # ascending, each once
+    if order == "shuffled":
+        indices = indices[torch.randperm(indices.numel(), generator=torch.Generator().manual_seed(10))]
+    reduced = torch.randn(indices.numel(), generator=torch.Generator().manual_seed(9))
+    new, new_grad, kept, values = reference(memory, grad, indices, reduced)
+    memory_buffer, grad_buffer = memory.data_ptr(), grad.data_ptr()
+    marks = clt_k.Marks(numel) if marks == "kept" else None
+    at, taken, finite, out, new_memory, updated = advance_both_steps(memory, grad, indices, lambda v: reduced,
+                                                                     marks=marks)
+    assert finite and updated
+    assert torch.equal(at, kept) and torch.equal(taken, values)
+    assert torch.equal(new_memory, new) and torch.equal(out, new_grad)
+    assert new_memory.data_ptr() == grad_buffer and out.data_ptr() == memory_buffer  # traded, not copied
+
+
+def test_advancing_with_fp16_values_keeps_their_rounding_error_in_the_memory():
+    numel = 200_000
+    memory, grad = inputs(numel, seed=5)
+    reference_memory, reference_grad = memory.clone(), grad.clone()
+    indices = torch.arange(0, numel, 97)
+    at, values = clt_k.take(reference_memory, reference_grad, indices)
+    clt_k.filter_memory_(reference_memory, reference_grad, indices, at, values, values.to(torch.float16), BETA)
+    *_, new_memory, updated = advance_both_steps(memory, grad, indices, lambda v: v.to(torch.float16),
+                                                 torch.float16)
+    assert updated and torch.equal(new_memory, reference_memory)
+
+
+@pytest.mark.parametrize("where", ["gradient", "reduction"])
+def test_advancing_a_non_finite_step_keeps_the_memory_and_its_buffer(where):
+    memory, grad = inputs(100_000, seed=6)
+    before = memory.clone()
+    indices = torch.tensor([3, 50, 99_998])
+    if where == "gradient":
+        grad[777] = float("inf")
+    reduced = torch.tensor([1.0, float("nan") if where == "reduction" else 4.0, 2.0])
+    memory_buffer, grad_buffer = memory.data_ptr(), grad.data_ptr()
+    _, _, finite, out, new_memory, updated = advance_both_steps(memory, grad, indices, lambda v: reduced)
+    assert finite == (where == "reduction")
+    assert not updated if where == "reduction" else updated
+    if where == "reduction":
+        assert new_memory.data_ptr() == memory_buffer and torch.equal(new_memory, before)
+        assert out.data_ptr() == grad_buffer
+    expected = torch.zeros(100_000)
+    expected[indices] = reduced
+    assert torch.equal(out.nan_to_num(7.0), expected.nan_to_num(7.0))
+
+
+def test_advancing_declines_repeated_indices_and_rejects_out_of_range_ones_before_writing():
+    memory, grad = inputs(10_000)
+    grad_before = grad.clone()
+    assert clt_k.take_advancing_(memory, grad, torch.tensor([4, 9, 4]), BETA) is None
+    for bad in ([5, 10_000], [9, 4, -1]):
+        with pytest.raises(IndexError, match=r"indices must lie in \[0, 10000\)"):
+            clt_k.take_advancing_(memory, grad, torch.tensor(bad), BETA)
+    assert torch.equal(grad, grad_before)
+
+
+def test_only_large_fp32_gradients_owning_their_storage_advance():
+    big = clt_k._ADVANCE_MIN_NUMEL
+    memory = torch.zeros(big)
+    assert clt_k.may_advance(memory, torch.zeros(big))
+    assert clt_k.may_advance(memory, torch.zeros(big // 64, 64))
+    assert not clt_k.may_advance(memory, torch.zeros(big + 1)[1:])  # a view into a larger buffer
+    assert not clt_k.may_advance(memory, torch.zeros(2 * big)[:big])
+    assert not clt_k.may_advance(memory, torch.zeros(big // 64, 64).t())  # not contiguous
+    assert not clt_k.may_advance(torch.zeros(big - 1), torch.zeros(big - 1))
+    assert not clt_k.may_advance(memory.double(), torch.zeros(big, dtype=torch.float64))
+
+
 def test_select_of_p_and_of_the_sum_agree_with_the_torch_threshold_path():
     memory, grad = inputs(2_000_000, seed=3)
     p = memory + grad
@@ -184,9 +273,10 @@ def test_all_finite_sees_nan_and_both_infinities(dtype):
     clean = torch.randn(1000).to(dtype)
     assert clt_k.all_finite(clean) and clt_k.all_finite(clean[:0])
     for bad in (float("nan"), float("inf"), float("-inf")):
-        poisoned = clean.clone()
-        poisoned[123] = bad
-        assert not clt_k.all_finite(poisoned)
+        for where in (123, 999):  # a whole vector, the tail
+            poisoned = clean.clone()
+            poisoned[where] = bad
+            assert not clt_k.all_finite(poisoned)
 
 
 def test_processes_building_at_once_into_an_empty_cache_all_load_one_library(tmp_path):

@@ -19,6 +19,8 @@ def raw_grads(results, steps, names=NAMES):
 
 def check_against_reference(results, opts, steps, names=NAMES, rtol=2e-5, atol=1e-6, value_dtype=np.float32,
                             skip=()):
+    if "advance_min_numel" in opts:  # the traded-buffer path ran on every rank (each leads only some steps)
+        assert all(int(r["traded"]) > 0 for r in results), [int(r["traded"]) for r in results]
     grads, first = raw_grads(results, steps, names)
     applied, memories = scalecom_reference(
         grads, names, len(results), opts.get("ratio", 0.05), opts.get("beta", 0.5),
@@ -65,12 +67,13 @@ def test_matches_reference(horovod_job, np_, beta, warmup):
         assert sparsity(applied[t], "hidden.bias") == 1.0
 
 
-@pytest.mark.parametrize("kernels", ["C", "torch"])
+@pytest.mark.parametrize("kernels", ["C", "C, traded buffers", "torch"])
 def test_large_tensors_threshold_selection_both_kernel_paths(horovod_job, kernels):
     """hidden.weight of 67,200 entries: the leader's threshold selection and memory update run as
-    one C pass (or, with HVD_SCALECOM_NATIVE=0, as torch operations); both match the reference."""
+    one C pass (or, with HVD_SCALECOM_NATIVE=0, as torch operations; or with the other ranks
+    writing the memory over their gradients and trading the buffers); all match the reference."""
     opts = {"ratio": 0.02, "beta": 0.3, "min_numel": 600, "steps": 6, "hidden": 1400,
-            "selection": "threshold"}
+            "selection": "threshold", **({"advance_min_numel": 0} if kernels == "C, traded buffers" else {})}
     env = {"HVD_SCALECOM_NATIVE": "0"} if kernels == "torch" else None
     results, _ = horovod_job("torch_scalecom.py", opts, np=3, env=env)
     applied = check_against_reference(results, opts, steps=6)
@@ -110,7 +113,8 @@ def test_horovod_moves_k_values_and_k_indices(horovod_job, tmp_path):
 
 def test_staggered_leader_fp16_values_int32_indices_threshold_selection(horovod_job):
     opts = {"ratio": 0.05, "beta": 0.3, "min_numel": 600, "steps": 6, "leader": "staggered",
-            "value_dtype": "float16", "index_dtype": "int32", "selection": "threshold"}
+            "value_dtype": "float16", "index_dtype": "int32", "selection": "threshold",
+            "advance_min_numel": 0}  # and the ranks that do not select trade buffers
     results, _ = horovod_job("torch_scalecom.py", opts, np=3)
     check_against_reference(results, opts, steps=6, rtol=2e-3, atol=2e-4, value_dtype=np.float16)
     check_identical_weights(results)
@@ -126,16 +130,18 @@ def test_pipelined_indices_match_reference(horovod_job, np_, leader):
     # Rank 1 has no gradient for out.weight on odd steps (and so p = m there): the first compressed
     # step is even, else that leader's p would be all zeros and its top-k a matter of tie-breaking.
     opts = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 2, "min_numel": 600, "steps": 7,
-            "pipelined": True, "leader": leader, "no_out_weight_grad_on_rank": 1}
+            "pipelined": True, "leader": leader, "no_out_weight_grad_on_rank": 1, "advance_min_numel": 0}
     results, _ = horovod_job("torch_scalecom.py", opts, np=np_)
     check_against_reference(results, opts, steps=7)
     check_identical_weights(results)
 
 
 def test_optimizer_features(horovod_job):
-    """groups, backward_passes_per_step, momentum and gradient_predivide_factor together."""
+    """groups, backward_passes_per_step, momentum and gradient_predivide_factor together, with the
+    buffers of small gradients traded as those of large ones are."""
     opts = {"ratio": 0.05, "beta": 0.5, "min_numel": 600, "steps": 5, "groups": "list",
-            "backward_passes_per_step": 2, "momentum": 0.9, "gradient_predivide_factor": 2.0}
+            "backward_passes_per_step": 2, "momentum": 0.9, "gradient_predivide_factor": 2.0,
+            "advance_min_numel": 0}
     results, _ = horovod_job("torch_scalecom.py", opts, np=3)
     check_against_reference(results, opts, steps=5)
     check_identical_weights(results)
@@ -155,7 +161,8 @@ def test_process_set(horovod_job):
 def test_rank_without_gradient_takes_horovods_missing_path(horovod_job):
     """Rank 1 produces no gradient for out.weight on odd steps; Horovod reduces zeros for it in
     synchronize(), after every hook: a different order on that rank, which must not deadlock."""
-    opts = {"ratio": 0.05, "beta": 0.5, "min_numel": 600, "steps": 6, "no_out_weight_grad_on_rank": 1}
+    opts = {"ratio": 0.05, "beta": 0.5, "min_numel": 600, "steps": 6, "no_out_weight_grad_on_rank": 1,
+            "advance_min_numel": 0}
     results, _ = horovod_job("torch_scalecom.py", opts, np=3, timeout=180)
     check_against_reference(results, opts, steps=6)
     check_identical_weights(results)
@@ -164,7 +171,7 @@ def test_rank_without_gradient_takes_horovods_missing_path(horovod_job):
 def test_sparse_as_dense_embedding(horovod_job):
     names = NAMES + ["embed.weight"]
     opts = {"ratio": 0.05, "beta": 0.5, "min_numel": 600, "steps": 5, "embedding": True,
-            "sparse_as_dense": True}
+            "sparse_as_dense": True, "advance_min_numel": 0}
     results, _ = horovod_job("torch_scalecom.py", opts, np=2)
     check_against_reference(results, opts, steps=5, names=names)
     check_identical_weights(results, names)
@@ -173,7 +180,8 @@ def test_sparse_as_dense_embedding(horovod_job):
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_checkpoint_round_trip_continues_identically(horovod_job, tmp_path, pipelined):
     """10 steps straight equal 5 steps, a checkpoint, new processes, and 5 more steps."""
-    base = {"ratio": 0.05, "beta": 0.3, "warmup_steps": 1, "min_numel": 600, "pipelined": pipelined}
+    base = {"ratio": 0.05, "beta": 0.3, "warmup_steps": 1, "min_numel": 600, "pipelined": pipelined,
+            "advance_min_numel": 0}
     straight, _ = horovod_job("torch_scalecom.py", {**base, "steps": 10}, np=3,
                               out_dir=tmp_path / "straight")
     horovod_job("torch_scalecom.py", {**base, "steps": 5, "checkpoint": True}, np=3,
@@ -194,13 +202,15 @@ def test_checkpoint_round_trip_continues_identically(horovod_job, tmp_path, pipe
     assert diff > 1e-4
 
 
-@pytest.mark.parametrize("value, kernels", [("nan", "C"), ("inf", "C"), ("inf", "torch")])
+@pytest.mark.parametrize("value, kernels", [("nan", "C"), ("inf", "C"), ("nan", "C, traded buffers"),
+                                           ("inf", "torch")])
 def test_nonfinite_gradient_skips_the_step_on_every_rank_and_spares_the_memory(horovod_job, value, kernels):
     """Rank 1's hidden.weight gradient has one non-finite entry at step 3: every rank's update of
     that tensor is non-finite (so a loss scaler skips the step everywhere), no memory is poisoned,
     and training continues exactly as the reference with that memory update skipped."""
     opts = {"ratio": 0.05, "beta": 0.5, "min_numel": 600, "steps": 7, "skip_nonfinite": True,
-            "poison": {"rank": 1, "step": 3, "value": value}}
+            "poison": {"rank": 1, "step": 3, "value": value},
+            **({"advance_min_numel": 0} if kernels == "C, traded buffers" else {})}
     env = {"HVD_SCALECOM_NATIVE": "0"} if kernels == "torch" else None
     results, _ = horovod_job("torch_scalecom.py", opts, np=3, env=env)
     for r in results:

@@ -4,6 +4,11 @@
  * hsc_select:              I, m[I], p[I] and finiteness on the leader (steps 1-3): one read-only pass.
  * hsc_take:                m[I], p[I] and finiteness on a non-leader (step 3): one read-only pass.
  * hsc_filter_scatter:      the memory update and the reduced values into g (steps 4-5): one pass in place.
+ * hsc_mark:                the set I as a bitmap, for the two passes below.
+ * hsc_take_advancing:      step 3 on a non-leader and step 4 written over g (the new memory, adopted
+ *                          if the reduction is finite): one pass, in place over g.
+ * hsc_scatter_marked:      step 5 into a buffer that is not read (zeros with the values at I).
+ * hsc_all_finite:          whether every entry is finite (the reduced values, before step 4).
  *
  * Compiled by hvd_scalecom/native/__init__.py with -ffp-contract=off: every rounding is the one
  * written here (m + beta g is fmaf, as torch's add(alpha=) computes it on the CPU).
@@ -242,4 +247,123 @@ int hsc_filter_scatter(float *restrict m, float *restrict g, int64_t n, float be
         }
     }
     return update;
+}
+
+/* I (idx ascending, in [0, n)) as n bits: bit i % 16 of bits[i / 16] is set iff i is in I, so that the
+ * passes below go by whole 16-entry vectors with no branch or loop per index. Returns 0; -1 if an
+ * index is out of [0, n), -2 if the indices are not strictly ascending (bits then hold no set). */
+int hsc_mark(const int64_t *restrict idx, int64_t k, int64_t n, uint16_t *restrict bits) {
+    memset(bits, 0, (size_t)((n + 15) / 16) * sizeof *bits);
+    for (int64_t j = 0; j < k; j++) {
+        const int64_t i = idx[j];
+        if (i < 0 || i >= n) return -1;
+        if (j > 0 && i <= idx[j - 1]) return -2;
+        bits[i >> 4] |= (uint16_t)(1u << (i & 15));
+    }
+    return 0;
+}
+
+/* The next 64 bits of I's bitmap (bits of entries i .. i + 63, i a multiple of 64). The passes
+ * below go by such words: most are 0 at ratios below 1/64, and a word of zeros takes four plain
+ * vectors, with no per-vector chain through the mask's population count. */
+static uint64_t marks64(const uint16_t *bits, int64_t i) {
+    uint64_t w;
+    memcpy(&w, bits + (i >> 4), sizeof w);
+    return w;
+}
+
+/* Steps 3-4 on a non-leader in one pass that writes the new memory over g, for a caller that adopts
+ * g's buffer as the memory if the reduction is finite (and otherwise keeps m, which is only read):
+ *   m_at = m[I], p_at = m[I] + g[I] (in index order), whether every g is finite (returned, 1 or 0),
+ *   g = m + beta g off I (fmaf) and keep m at I (keep = 1 - beta: p - v = 0 for fp32 values).
+ * One read of m and g and one write of g, in place: the floor's traffic. bits from hsc_mark. */
+int hsc_take_advancing(const float *restrict m, float *restrict g, int64_t n, float beta, float keep,
+                       const uint16_t *restrict bits, float *restrict m_at, float *restrict p_at) {
+    int64_t i = 0, j = 0;
+    int finite = 1;
+#ifdef __AVX512F__
+    const __m512 vbeta = _mm512_set1_ps(beta), vkeep = _mm512_set1_ps(keep), vmax = _mm512_set1_ps(FLT_MAX);
+    const __m512i absmask = _mm512_set1_epi32(0x7fffffff);
+    __mmask16 bad = 0;
+    for (; i + 64 <= n; i += 64) {
+        const uint64_t word = marks64(bits, i);
+        for (int q = 0; q < 64; q += 16) {
+            const __m512 vg = _mm512_loadu_ps(g + i + q), vm = _mm512_loadu_ps(m + i + q);
+            bad |= _mm512_cmp_ps_mask(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(vg), absmask)),
+                                      vmax, _CMP_NLE_UQ);  /* > FLT_MAX, or NaN */
+            __m512 t = _mm512_fmadd_ps(vbeta, vg, vm);
+            if (word) {
+                const __mmask16 at = (__mmask16)(word >> q);
+                const int c = __builtin_popcount(at);
+                t = _mm512_mask_mul_ps(t, at, vkeep, vm);
+                _mm512_mask_storeu_ps(m_at + j, (__mmask16)((1u << c) - 1), _mm512_maskz_compress_ps(at, vm));
+                _mm512_mask_storeu_ps(p_at + j, (__mmask16)((1u << c) - 1),
+                                      _mm512_maskz_compress_ps(at, _mm512_add_ps(vm, vg)));
+                j += c;
+            }
+            _mm512_storeu_ps(g + i + q, t);
+        }
+    }
+    finite = bad == 0;
+#endif
+    for (; i < n; i++) {
+        const float mi = m[i], gi = g[i];
+        finite &= fabsf(gi) <= FLT_MAX;
+        if ((bits[i >> 4] >> (i & 15)) & 1) {
+            m_at[j] = mi;
+            p_at[j++] = mi + gi;
+            g[i] = keep * mi;
+        } else {
+            g[i] = fmaf(beta, gi, mi);
+        }
+    }
+    return finite;
+}
+
+/* Step 5 into out, which is not read: zeros, and values[j] at the j-th index of I (bits from
+ * hsc_mark). With stream, whole 64-byte lines go by non-temporal stores: for a buffer larger than
+ * the caches, not worth a read for ownership before it is overwritten. */
+void hsc_scatter_marked(float *restrict out, int64_t n, const uint16_t *restrict bits, const float *restrict values,
+                        int stream) {
+    int64_t i = 0, j = 0;
+#ifdef __AVX512F__
+    stream = stream && ((uintptr_t)out & 63) == 0;
+    for (; i + 64 <= n; i += 64) {
+        const uint64_t word = marks64(bits, i);
+        for (int q = 0; q < 64; q += 16) {
+            __m512 v = _mm512_setzero_ps();
+            if (word) {
+                const __mmask16 at = (__mmask16)(word >> q);
+                const int c = __builtin_popcount(at);
+                v = _mm512_maskz_expand_ps(at, _mm512_maskz_loadu_ps((__mmask16)((1u << c) - 1), values + j));
+                j += c;
+            }
+            if (stream)
+                _mm512_stream_ps(out + i + q, v);
+            else
+                _mm512_storeu_ps(out + i + q, v);
+        }
+    }
+    if (stream) _mm_sfence();
+#else
+    (void)stream;
+#endif
+    for (; i < n; i++) out[i] = ((bits[i >> 4] >> (i & 15)) & 1) ? values[j++] : 0.0f;
+}
+
+/* 1 if every x[i] is finite, else 0: one read-only pass, no branch per vector. */
+int hsc_all_finite(const float *restrict x, int64_t n) {
+    int64_t i = 0;
+    int finite = 1;
+#ifdef __AVX512F__
+    const __m512 vmax = _mm512_set1_ps(FLT_MAX);
+    const __m512i absmask = _mm512_set1_epi32(0x7fffffff);
+    __mmask16 bad = 0;
+    for (; i + 16 <= n; i += 16)
+        bad |= _mm512_cmp_ps_mask(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(x + i)),
+                                                                       absmask)), vmax, _CMP_NLE_UQ);
+    finite = bad == 0;
+#endif
+    for (; i < n; i++) finite &= fabsf(x[i]) <= FLT_MAX;
+    return finite;
 }

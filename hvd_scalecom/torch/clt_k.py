@@ -11,7 +11,9 @@ Notation of Chen et al. (NeurIPS 2020), Algorithm 1, for one tensor on rank i at
 5. the update applies ``scatter(I, mean_i v_i)``          (:func:`scatter_dense`)
 
 The Horovod compressor calls :func:`select_and_take` (leader) or :func:`take_checking` (steps 1-3)
-in ``compress`` and :func:`filter_and_scatter_` (steps 4-5) in ``decompress``. All functions work on
+in ``compress`` and :func:`filter_and_scatter_` (steps 4-5) in ``decompress``; on large gradients
+that it may overwrite, a rank that did not select calls :func:`take_advancing_` (steps 3-4, the new
+memory written over the gradient) and :func:`filter_and_scatter_advanced` (the buffers traded). All functions work on
 flat (1-D) views, on any device, without Python loops over entries. On contiguous fp32 CPU tensors
 those three run as single passes in C (:mod:`hvd_scalecom.native`), which compute the same floats
 as the torch operations (``tests/test_native.py``).
@@ -293,10 +295,13 @@ def take_checking(memory, grad, indices, check=True):
 
 
 def all_finite(tensor):
-    """Whether every entry is finite, from one read-only reduction (NaN propagates through min and
-    max; ``torch.isfinite(t).all()`` would first write a mask of the tensor's size)."""
+    """Whether every entry is finite, from one read-only pass (in C on contiguous fp32 CPU tensors;
+    else a reduction, NaN propagating through min and max: ``torch.isfinite(t).all()`` would first
+    write a mask of the tensor's size)."""
     if tensor.numel() == 0:
         return True
+    if _native_applies(tensor):
+        return bool(native.library().hsc_all_finite(tensor.data_ptr(), tensor.numel()))
     low, high = torch.aminmax(tensor)
     return bool(torch.isfinite(low) & torch.isfinite(high))
 
@@ -325,15 +330,122 @@ def filter_and_scatter_(memory, grad, indices, reduced, memory_at_indices, value
         if status < 0:
             raise IndexError(_out_of_range(indices, flat.numel()))
         if status == 1 and sent.dtype != values.dtype:  # memory[I] is (1 - beta) m[I] so far
-            at = memory.index_select(0, indices)
-            at.add_(values - sent.to(values.dtype), alpha=beta)
-            memory.index_copy_(0, indices, at)
+            _keep_rounding_error_(memory, indices, values, sent, beta)
         return bool(status)
     finite = all_finite(reduced)
     if finite:
         filter_memory_(memory, flat, indices, memory_at_indices, values, sent, beta)
     scatter_dense_(grad, reduced, indices)
     return finite
+
+
+# Below this many entries a gradient and its memory sit in the caches, where the in-place passes
+# (take_checking, filter_and_scatter_) are faster than writing the memory over the gradient.
+_ADVANCE_MIN_NUMEL = 1 << 21
+
+
+def may_advance(memory, grad):
+    """Whether :func:`take_advancing_` applies to this memory and gradient: both contiguous fp32 CPU
+    tensors of at least ``_ADVANCE_MIN_NUMEL`` entries, ``grad`` the whole of its storage (it will
+    become the memory's), and the C kernels available."""
+    return (grad.numel() >= _ADVANCE_MIN_NUMEL and grad.storage_offset() == 0
+            and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
+            and not grad.requires_grad and _native_applies(memory, grad))
+
+
+def take_advancing_(memory, grad, indices, beta, marks=None):
+    """Steps 3-4 on a rank whose gradient buffer is free to reuse (see :func:`may_advance`): returns
+    ``(m[I], p[I], finite)`` like :func:`take_checking` and writes over ``grad`` the memory that step 4
+    gives if the reduction is finite (``m + beta g`` off I, ``(1 - beta) m[I]`` on I), leaving
+    ``memory`` as it was. One pass in C that reads m and g and writes g in place, where
+    ``take_checking`` + :func:`filter_and_scatter_` read g three times and write both. Returns None,
+    having written nothing, where an index repeats. Finish with :func:`filter_and_scatter_advanced`,
+    given the same ``marks`` (a :class:`Marks` of the tensor's size, to keep I's bitmap in between;
+    by default a shared one, rebuilt there)."""
+    flat = grad.view(-1)
+    indices = indices.reshape(-1).to(torch.int64).contiguous()
+    marks = _mark(indices, flat.numel(), marks)
+    if marks is None:
+        return None
+    k = indices.numel()
+    memory_at_indices, values = torch.empty(k), torch.empty(k)
+    finite = native.library().hsc_take_advancing(memory.data_ptr(), flat.data_ptr(), flat.numel(),
+                                                 ctypes.c_float(beta), ctypes.c_float(1.0 - beta),
+                                                 marks.bits.data_ptr(), memory_at_indices.data_ptr(), values.data_ptr())
+    if marks.order is not None:  # taken in ascending index order: back to the order of indices
+        memory_at_indices = torch.empty_like(memory_at_indices).index_copy_(0, marks.order, memory_at_indices)
+        values = torch.empty_like(values).index_copy_(0, marks.order, values)
+    return memory_at_indices, values, bool(finite)
+
+
+def filter_and_scatter_advanced(memory, grad, indices, reduced, values, sent, beta, marks=None):
+    """Steps 4-5 after :func:`take_advancing_`: returns ``(gradient, memory, updated)``. If every
+    reduced value is finite, ``grad``'s buffer (holding the new memory) becomes the memory and the
+    old memory's buffer the gradient; otherwise the memory is kept and ``grad`` is the gradient. The
+    gradient (flat) receives zeros with ``reduced`` at ``indices``, by streaming stores: its buffer is
+    not read. ``values``, ``sent`` as for :func:`filter_and_scatter_`; ``marks`` as given to
+    ``take_advancing_`` (None: I's bitmap is rebuilt)."""
+    flat = grad.view(-1)
+    indices = indices.reshape(-1).to(torch.int64).contiguous()
+    reduced = reduced.reshape(-1).to(flat.dtype).contiguous()
+    updated = all_finite(reduced)
+    if updated:
+        new_memory = torch.empty(0, dtype=flat.dtype, device=flat.device).set_(
+            flat.untyped_storage(), 0, (flat.numel(),), (1,))
+        out, memory = memory, new_memory
+        if sent.dtype != values.dtype:
+            _keep_rounding_error_(memory, indices, values, sent, beta)
+    else:
+        out = flat
+    if marks is None:
+        marks = _mark(indices, flat.numel())
+    if marks.order is not None:
+        reduced = reduced[marks.order]
+    native.library().hsc_scatter_marked(out.data_ptr(), out.numel(), marks.bits.data_ptr(), reduced.data_ptr(), 1)
+    return out, memory, updated
+
+
+class Marks:
+    """A set of indices I of a tensor of ``numel`` entries as the C kernels' bitmap (``bits``, one bit
+    per entry), with ``order``, the argsort that made the indices ascending (None if they were)."""
+
+    def __init__(self, numel):
+        self.numel = numel
+        self.bits = torch.empty((numel + 15) // 16, dtype=torch.int16)
+        self.order = None
+
+
+_shared_marks = Marks(0)
+
+
+def _mark(indices, numel, marks=None):
+    """``marks`` (default: a shared buffer, grown as needed) holding ``indices`` (flat, int64, CPU),
+    or None where an index repeats; IndexError where one is out of range."""
+    global _shared_marks
+    if marks is None:
+        if _shared_marks.numel < numel:
+            _shared_marks = Marks(numel)
+        marks = _shared_marks
+    elif marks.numel != numel:
+        raise ValueError(f"marks are for {marks.numel} entries, the tensor has {numel}")
+    lib = native.library()
+    marks.order = None
+    status = lib.hsc_mark(indices.data_ptr(), indices.numel(), numel, marks.bits.data_ptr())
+    if status == -2:
+        marks.order = indices.argsort()
+        ascending = indices[marks.order]
+        status = lib.hsc_mark(ascending.data_ptr(), indices.numel(), numel, marks.bits.data_ptr())
+    if status == -1:
+        raise IndexError(_out_of_range(indices, numel))
+    return None if status == -2 else marks
+
+
+def _keep_rounding_error_(memory, indices, values, sent, beta):
+    """``memory[I] += beta (p[I] - sent)``: the values' rounding to a narrower dtype (e.g. fp16) stays
+    in the memory (step 4 on I, after ``memory[I] = (1 - beta) m[I]``)."""
+    at = memory.index_select(0, indices)
+    at.add_(values - sent.to(values.dtype), alpha=beta)
+    memory.index_copy_(0, indices, at)
 
 
 def _out_of_range(indices, numel):

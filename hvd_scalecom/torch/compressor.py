@@ -14,8 +14,13 @@ Per parameter and step (see :mod:`hvd_scalecom.torch.clt_k` for the equations):
 On contiguous fp32 CPU tensors (where the C kernels of :mod:`hvd_scalecom.native` can be built) each
 side is one pass: ``compress`` reads ``m`` and ``g`` once (the leader selects as it reads; every rank
 takes ``m[I]``, ``p[I]`` and checks finiteness), and ``decompress`` updates ``m`` and writes the
-reduced values over zeros into ``g`` in one pass over both. ``HVD_SCALECOM_NATIVE=0`` uses torch
-operations instead (the same values, bit for bit).
+reduced values over zeros into ``g`` in one pass over both. On gradients of 2**21 entries or more
+that own their storage, a rank that did not select writes the new memory over ``g`` in its
+``compress`` pass instead (``m`` is only read), and ``decompress``, if the reduction is finite,
+hands the old memory's buffer back as the gradient (zeros and the reduced values, streamed) and
+keeps ``g``'s buffer as the memory: a gradient's storage changes at every step, as it does with
+Horovod's fp16 compression. ``HVD_SCALECOM_NATIVE=0`` uses torch operations instead (the same
+values, bit for bit).
 
 Deadlock freedom: Horovod calls ``compress`` from each parameter's gradient hook, in an order that
 can differ between ranks (dynamic graphs, parameters without a gradient that Horovod reduces later in
@@ -67,7 +72,8 @@ def _stall_times(timeout):
 class _Slot:
     """Everything ScaleCom keeps for one parameter."""
 
-    __slots__ = ("index", "name", "param", "memory", "step", "posted", "expected", "excluded", "scale")
+    __slots__ = ("index", "name", "param", "memory", "step", "posted", "expected", "excluded", "scale",
+                 "marks")
 
     def __init__(self, index, name, param):
         self.index = index
@@ -79,6 +85,7 @@ class _Slot:
         self.expected = None  # the step whose broadcast was posted ahead (on every rank)
         self.excluded = False  # seen not to be reduced through compress(): never posted ahead
         self.scale = None  # the loss scale the memory is expressed in (with a loss_scaler)
+        self.marks = None  # I as a bitmap from compress to decompress, where the buffers are traded
 
 
 class ScaleCom(Compressor):
@@ -184,6 +191,12 @@ class ScaleCom(Compressor):
         if self.config.pipelined and self.config.is_compressed(numel, t + 1):
             self._select_ahead(slot, tensor, t + 1, rank, size)
         indices = indices.to(torch.int64)
+        advanced = False  # the gradient's buffer now holds the memory to adopt if the step is finite
+        if taken is None and clt_k.may_advance(slot.memory, tensor):
+            if slot.marks is None:
+                slot.marks = clt_k.Marks(numel)  # one bit per entry: 1/32 of the memory's size
+            taken = clt_k.take_advancing_(slot.memory, tensor, indices, self.config.beta, slot.marks)
+            advanced = taken is not None
         if taken is None:
             taken = clt_k.take_checking(slot.memory, tensor, indices)
         memory_at_indices, exact_values, finite = taken  # m_i[I], p_i[I]
@@ -196,7 +209,7 @@ class ScaleCom(Compressor):
             t, index_bytes=k * self.config.index_itemsize(numel), value_bytes=k * values.element_size(),
             uncompressed_bytes=dense_bytes, index_wait_seconds=waited,
             compress_seconds=time.perf_counter() - start - waited)
-        return values, (slot, t, indices, tensor, memory_at_indices, exact_values, sending)
+        return values, (slot, t, indices, tensor, memory_at_indices, exact_values, sending, advanced)
 
     def decompress(self, tensor, ctx):
         """The low-pass memory update (deferred to here, where the reduced values tell every rank
@@ -204,10 +217,14 @@ class ScaleCom(Compressor):
         if ctx is None:
             return tensor
         start = time.perf_counter()
-        slot, t, indices, grad, memory_at_indices, exact_values, sending = ctx
+        slot, t, indices, grad, memory_at_indices, exact_values, sending, advanced = ctx
         self._synchronize(sending, slot)  # long done: every rank received it before reducing
         sent = exact_values.to(self._value_dtype or grad.dtype)  # as this rank sent them
-        if grad.is_contiguous():  # the gradient's storage, now read, receives the result
+        if advanced:  # the buffers trade places: the gradient's becomes the memory, and vice versa
+            out, slot.memory, updated = clt_k.filter_and_scatter_advanced(
+                slot.memory, grad, indices, tensor, exact_values, sent, self.config.beta, slot.marks)
+            out = out.view(grad.shape)
+        elif grad.is_contiguous():  # the gradient's storage, now read, receives the result
             out = grad
             updated = clt_k.filter_and_scatter_(slot.memory, grad, indices, tensor, memory_at_indices,
                                                 exact_values, sent, self.config.beta)

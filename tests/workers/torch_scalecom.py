@@ -13,10 +13,19 @@ import numpy as np
 import torch
 
 import horovod.torch as hvd
-from hvd_scalecom.torch import ScaleCom
+from hvd_scalecom.torch import ScaleCom, clt_k
 
 torch.set_num_threads(1)
 opts = json.loads(sys.argv[1])
+traded = [0]  # decompress calls that traded a gradient's buffer with its memory's (or could have)
+if "advance_min_numel" in opts:  # small gradients take the path of large ones: buffers traded
+    clt_k._ADVANCE_MIN_NUMEL = opts["advance_min_numel"]
+    finish_advanced = clt_k.filter_and_scatter_advanced
+
+    def counted(*args):
+        traded[0] += 1
+        return finish_advanced(*args)
+    clt_k.filter_and_scatter_advanced = counted
 out_dir = sys.argv[2]
 process_set = None
 if opts.get("process_set"):
@@ -181,6 +190,7 @@ for name, entry in compression.state_dict()["params"].items():
     if entry["memory"] is not None:
         record[f"memory/{name}"] = (entry["memory"] / (entry["scale"] or 1.0)).numpy()  # unscaled
 record["stats"] = np.array(json.dumps(compression.stats()))
+record["traded"] = np.array(traded[0])
 np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **record)
 if opts.get("checkpoint"):
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
