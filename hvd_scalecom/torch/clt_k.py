@@ -13,10 +13,10 @@ Notation of Chen et al. (NeurIPS 2020), Algorithm 1, for one tensor on rank i at
 The Horovod compressor calls :func:`select_and_take` (leader) or :func:`take_checking` (steps 1-3)
 in ``compress`` and :func:`filter_and_scatter_` (steps 4-5) in ``decompress``; on large gradients
 that it may overwrite, a rank that did not select calls :func:`take_advancing_` (steps 3-4, the new
-memory written over the gradient) and :func:`filter_and_scatter_advanced` (the buffers traded). All functions work on
-flat (1-D) views, on any device, without Python loops over entries. On contiguous fp32 CPU tensors
-those three run as single passes in C (:mod:`hvd_scalecom.native`), which compute the same floats
-as the torch operations (``tests/test_native.py``).
+memory written over the gradient) and :func:`filter_and_scatter_advanced` (the buffers traded).
+All functions work on flat (1-D) views, on any device, without Python loops over entries. On
+contiguous fp32 CPU tensors the dense steps run as single passes in C (:mod:`hvd_scalecom.native`),
+which compute the same floats as the torch operations (``tests/test_native.py``).
 """
 
 import ctypes
