@@ -29,6 +29,14 @@ enum { TAKE_BLOCK = 512, FILTER_BLOCK = 4096, AHEAD = 32 /* gathers: lines reque
 
 static uint32_t float_bits(float x) { uint32_t u; memcpy(&u, &x, sizeof u); return u; }
 
+#ifdef __AVX512F__
+/* The lanes of v that are not finite: |v| > FLT_MAX, or NaN. */
+static inline __mmask16 nonfinite_lanes(__m512 v) {
+    const __m512 abs_v = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff)));
+    return _mm512_cmp_ps_mask(abs_v, _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ);
+}
+#endif
+
 /* The r-th largest (r from 1, r <= n) of x[0..n), non-negative and not NaN, which it reorders: a
  * radix selection on the bit patterns (ordered like the values for x >= 0). Each round counts
  * BUCKETS-wide slices of the patterns' current range (one branch-free pass), keeps the slice that
@@ -98,7 +106,7 @@ int64_t hsc_select(const float *restrict a, const float *restrict b, int64_t n, 
     int64_t c = 0, i = 0;
     int finite = 1;
 #ifdef __AVX512F__
-    const __m512 vt = _mm512_set1_ps(t), vmax = _mm512_set1_ps(FLT_MAX);
+    const __m512 vt = _mm512_set1_ps(t);
     const __m512i absmask = _mm512_set1_epi32(0x7fffffff);
     const __m512i lanes = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
     __mmask16 bad = 0;
@@ -107,8 +115,7 @@ int64_t hsc_select(const float *restrict a, const float *restrict b, int64_t n, 
         __m512 vb = b ? _mm512_loadu_ps(b + i) : _mm512_setzero_ps();
         __m512 p = b ? _mm512_add_ps(va, vb) : va;
         __m512 abs_p = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(p), absmask));
-        __m512 abs_c = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(b ? vb : va), absmask));
-        bad |= _mm512_cmp_ps_mask(abs_c, vmax, _CMP_NLE_UQ);  /* > FLT_MAX, or NaN */
+        bad |= nonfinite_lanes(b ? vb : va);
         __mmask16 hit = _mm512_cmp_ps_mask(abs_p, vt, _CMP_GE_OQ);
         if (!hit) continue;
         if (c <= cap) {
@@ -184,13 +191,8 @@ int hsc_take(const float *restrict m, const float *restrict g, int64_t n, const 
             for (; ahead < k && idx[ahead] < hi + TAKE_BLOCK; ahead++) __builtin_prefetch(m + idx[ahead], 0, 0);
         int64_t i = lo;
 #ifdef __AVX512F__
-        const __m512 vmax = _mm512_set1_ps(FLT_MAX);
-        const __m512i absmask = _mm512_set1_epi32(0x7fffffff);
         __mmask16 bad = 0;
-        for (; i + 16 <= hi; i += 16) {
-            __m512 abs_g = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(g + i)), absmask));
-            bad |= _mm512_cmp_ps_mask(abs_g, vmax, _CMP_NLE_UQ);  /* > FLT_MAX, or NaN */
-        }
+        for (; i + 16 <= hi; i += 16) bad |= nonfinite_lanes(_mm512_loadu_ps(g + i));
         finite &= bad == 0;
 #endif
         for (; i < hi; i++) finite &= fabsf(g[i]) <= FLT_MAX;
@@ -282,15 +284,13 @@ int hsc_take_advancing(const float *restrict m, float *restrict g, int64_t n, fl
     int64_t i = 0, j = 0;
     int finite = 1;
 #ifdef __AVX512F__
-    const __m512 vbeta = _mm512_set1_ps(beta), vkeep = _mm512_set1_ps(keep), vmax = _mm512_set1_ps(FLT_MAX);
-    const __m512i absmask = _mm512_set1_epi32(0x7fffffff);
+    const __m512 vbeta = _mm512_set1_ps(beta), vkeep = _mm512_set1_ps(keep);
     __mmask16 bad = 0;
     for (; i + 64 <= n; i += 64) {
         const uint64_t word = marks64(bits, i);
         for (int q = 0; q < 64; q += 16) {
             const __m512 vg = _mm512_loadu_ps(g + i + q), vm = _mm512_loadu_ps(m + i + q);
-            bad |= _mm512_cmp_ps_mask(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(vg), absmask)),
-                                      vmax, _CMP_NLE_UQ);  /* > FLT_MAX, or NaN */
+            bad |= nonfinite_lanes(vg);
             __m512 t = _mm512_fmadd_ps(vbeta, vg, vm);
             if (word) {
                 const __mmask16 at = (__mmask16)(word >> q);
@@ -321,13 +321,13 @@ int hsc_take_advancing(const float *restrict m, float *restrict g, int64_t n, fl
 }
 
 /* Step 5 into out, which is not read: zeros, and values[j] at the j-th index of I (bits from
- * hsc_mark). With stream, whole 64-byte lines go by non-temporal stores: for a buffer larger than
- * the caches, not worth a read for ownership before it is overwritten. */
-void hsc_scatter_marked(float *restrict out, int64_t n, const uint16_t *restrict bits, const float *restrict values,
-                        int stream) {
+ * hsc_mark). Whole 64-byte lines go by non-temporal stores (when out is 64-byte aligned, as torch
+ * allocates): a buffer larger than the caches is not worth a read for ownership before it is
+ * overwritten. */
+void hsc_scatter_marked(float *restrict out, int64_t n, const uint16_t *restrict bits, const float *restrict values) {
     int64_t i = 0, j = 0;
 #ifdef __AVX512F__
-    stream = stream && ((uintptr_t)out & 63) == 0;
+    const int stream = ((uintptr_t)out & 63) == 0;
     for (; i + 64 <= n; i += 64) {
         const uint64_t word = marks64(bits, i);
         for (int q = 0; q < 64; q += 16) {
@@ -345,8 +345,6 @@ void hsc_scatter_marked(float *restrict out, int64_t n, const uint16_t *restrict
         }
     }
     if (stream) _mm_sfence();
-#else
-    (void)stream;
 #endif
     for (; i < n; i++) out[i] = ((bits[i >> 4] >> (i & 15)) & 1) ? values[j++] : 0.0f;
 }
@@ -356,12 +354,8 @@ int hsc_all_finite(const float *restrict x, int64_t n) {
     int64_t i = 0;
     int finite = 1;
 #ifdef __AVX512F__
-    const __m512 vmax = _mm512_set1_ps(FLT_MAX);
-    const __m512i absmask = _mm512_set1_epi32(0x7fffffff);
     __mmask16 bad = 0;
-    for (; i + 16 <= n; i += 16)
-        bad |= _mm512_cmp_ps_mask(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(x + i)),
-                                                                       absmask)), vmax, _CMP_NLE_UQ);
+    for (; i + 16 <= n; i += 16) bad |= nonfinite_lanes(_mm512_loadu_ps(x + i));
     finite = bad == 0;
 #endif
     for (; i < n; i++) finite &= fabsf(x[i]) <= FLT_MAX;

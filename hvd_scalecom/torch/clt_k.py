@@ -401,7 +401,7 @@ def filter_and_scatter_advanced(memory, grad, indices, reduced, values, sent, be
         marks = _mark(indices, flat.numel())
     if marks.order is not None:
         reduced = reduced[marks.order]
-    native.library().hsc_scatter_marked(out.data_ptr(), out.numel(), marks.bits.data_ptr(), reduced.data_ptr(), 1)
+    native.library().hsc_scatter_marked(out.data_ptr(), out.numel(), marks.bits.data_ptr(), reduced.data_ptr())
     return out, memory, updated
 
 
