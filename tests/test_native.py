@@ -76,19 +76,6 @@ def test_non_leader_steps_in_any_order_and_with_tails(order, tail):
     assert updated and torch.equal(memory, new) and torch.equal(grad, new_grad)
 
 
-def test_fp16_values_keep_their_rounding_error_in_the_memory():
-    numel = 200_000
-    memory, grad = inputs(numel, seed=5)
-    reference_memory, reference_grad = memory.clone(), grad.clone()
-    indices = torch.arange(0, numel, 97)
-    at, values = clt_k.take(reference_memory, reference_grad, indices)
-    sent = values.to(torch.float16)
-    clt_k.filter_memory_(reference_memory, reference_grad, indices, at, values, sent, BETA)
-    taken = clt_k.take_checking(memory, grad, indices)
-    run_both_steps(memory, grad, indices, taken, lambda v: v.to(torch.float16), torch.float16)
-    assert torch.equal(memory, reference_memory)
-
-
 def advance_both_steps(memory, grad, indices, reduced_of, sent_dtype=None, marks=None):
     """take_advancing_, then filter_and_scatter_advanced, as the compressor calls them on a rank that
     did not select: returns (m[I], p[I], finite, gradient, memory, updated)."""
@@ -124,16 +111,21 @@ def test_advancing_pass_equals_the_in_place_passes_with_the_buffers_traded(order
     assert new_memory.data_ptr() == grad_buffer and out.data_ptr() == memory_buffer  # traded, not copied
 
 
-def test_advancing_with_fp16_values_keeps_their_rounding_error_in_the_memory():
+@pytest.mark.parametrize("path", ["in place", "traded buffers"])
+def test_fp16_values_keep_their_rounding_error_in_the_memory(path):
     numel = 200_000
     memory, grad = inputs(numel, seed=5)
     reference_memory, reference_grad = memory.clone(), grad.clone()
     indices = torch.arange(0, numel, 97)
     at, values = clt_k.take(reference_memory, reference_grad, indices)
     clt_k.filter_memory_(reference_memory, reference_grad, indices, at, values, values.to(torch.float16), BETA)
-    *_, new_memory, updated = advance_both_steps(memory, grad, indices, lambda v: v.to(torch.float16),
+    if path == "in place":
+        taken = clt_k.take_checking(memory, grad, indices)
+        _, updated, _ = run_both_steps(memory, grad, indices, taken, lambda v: v.to(torch.float16), torch.float16)
+    else:
+        *_, memory, updated = advance_both_steps(memory, grad, indices, lambda v: v.to(torch.float16),
                                                  torch.float16)
-    assert updated and torch.equal(new_memory, reference_memory)
+    assert updated and torch.equal(memory, reference_memory)
 
 
 @pytest.mark.parametrize("where", ["gradient", "reduction"])
