@@ -25,7 +25,8 @@
  * few indices, while the block is still in L1. hsc_take's blocks are short, as the m[I] lines it
  * requests one block ahead must arrive in time; hsc_filter_scatter's are longer, switching less
  * often between streaming and patching (both sizes chosen by timing 1M- and 25M-entry tensors). */
-enum { TAKE_BLOCK = 512, FILTER_BLOCK = 4096, AHEAD = 32 /* gathers: lines requested this many ahead */ };
+enum { TAKE_BLOCK = 512, FILTER_BLOCK = 4096, SCAN_BLOCK = 512 /* hsc_select's pass */,
+       AHEAD = 32 /* gathers: lines requested this many ahead */ };
 
 static uint32_t float_bits(float x) { uint32_t u; memcpy(&u, &x, sizeof u); return u; }
 
@@ -34,6 +35,30 @@ static uint32_t float_bits(float x) { uint32_t u; memcpy(&u, &x, sizeof u); retu
 static inline __mmask16 nonfinite_lanes(__m512 v) {
     const __m512 abs_v = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff)));
     return _mm512_cmp_ps_mask(abs_v, _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ);
+}
+#endif
+
+#ifdef __AVX512F__
+/* |va + vb| (vb zero when the caller has no b). */
+static inline __m512 magnitude(__m512 va, __m512 vb) {
+    const __m512 p = _mm512_add_ps(va, vb);
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(p), _mm512_set1_epi32(0x7fffffff)));
+}
+
+/* Appends the lanes of entries i..i+16 set in hit to the candidates at c: index, |a + b|, a and b
+ * (b zero when NULL). Whole-vector stores: the buffers hold 16 entries of slack. */
+static inline void keep_candidates(const float *a, const float *b, int64_t i, __mmask16 hit, int64_t c,
+                                   int64_t *cand_idx, float *cand_mag, float *cand_a, float *cand_b) {
+    const __m512i lanes = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512 va = _mm512_loadu_ps(a + i), vb = b ? _mm512_loadu_ps(b + i) : _mm512_setzero_ps();
+    const __m512i low = _mm512_add_epi64(_mm512_set1_epi64(i), lanes);
+    const __m512i high = _mm512_add_epi64(low, _mm512_set1_epi64(8));
+    const int n_low = __builtin_popcount(hit & 0xff);
+    _mm512_storeu_ps(cand_mag + c, _mm512_maskz_compress_ps(hit, magnitude(va, vb)));
+    _mm512_storeu_ps(cand_a + c, _mm512_maskz_compress_ps(hit, va));
+    _mm512_storeu_ps(cand_b + c, _mm512_maskz_compress_ps(hit, vb));
+    _mm512_storeu_si512((void *)(cand_idx + c), _mm512_maskz_compress_epi64((__mmask8)(hit & 0xff), low));
+    _mm512_storeu_si512((void *)(cand_idx + c + n_low), _mm512_maskz_compress_epi64((__mmask8)(hit >> 8), high));
 }
 #endif
 
@@ -107,28 +132,32 @@ int64_t hsc_select(const float *restrict a, const float *restrict b, int64_t n, 
     int finite = 1;
 #ifdef __AVX512F__
     const __m512 vt = _mm512_set1_ps(t);
-    const __m512i absmask = _mm512_set1_epi32(0x7fffffff);
-    const __m512i lanes = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
     __mmask16 bad = 0;
-    for (; i + 16 <= n; i += 16) {
-        __m512 va = _mm512_loadu_ps(a + i);
-        __m512 vb = b ? _mm512_loadu_ps(b + i) : _mm512_setzero_ps();
-        __m512 p = b ? _mm512_add_ps(va, vb) : va;
-        __m512 abs_p = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(p), absmask));
-        bad |= nonfinite_lanes(b ? vb : va);
-        __mmask16 hit = _mm512_cmp_ps_mask(abs_p, vt, _CMP_GE_OQ);
-        if (!hit) continue;
-        if (c <= cap) {
-            __m512i low = _mm512_add_epi64(_mm512_set1_epi64(i), lanes);
-            __m512i high = _mm512_add_epi64(low, _mm512_set1_epi64(8));
-            int n_low = __builtin_popcount(hit & 0xff);
-            _mm512_storeu_ps(cand_mag + c, _mm512_maskz_compress_ps(hit, abs_p));
-            _mm512_storeu_ps(cand_a + c, _mm512_maskz_compress_ps(hit, va));
-            _mm512_storeu_ps(cand_b + c, _mm512_maskz_compress_ps(hit, vb));
-            _mm512_storeu_si512((void *)(cand_idx + c), _mm512_maskz_compress_epi64((__mmask8)(hit & 0xff), low));
-            _mm512_storeu_si512((void *)(cand_idx + c + n_low),
-                                _mm512_maskz_compress_epi64((__mmask8)(hit >> 8), high));
+    /* By blocks of SCAN_BLOCK entries: every vector is compared (no branch), then only the vectors
+     * with candidates are visited again, from L1, to keep them: one unpredictable loop exit per
+     * block instead of a branch per vector that candidates make hard to predict. */
+    for (; i + SCAN_BLOCK <= n; i += SCAN_BLOCK) {
+        __mmask16 hits[SCAN_BLOCK / 16];
+        uint32_t any = 0;
+        for (int v = 0; v < SCAN_BLOCK / 16; v++) {
+            const __m512 va = _mm512_loadu_ps(a + i + 16 * v);
+            const __m512 vb = b ? _mm512_loadu_ps(b + i + 16 * v) : _mm512_setzero_ps();
+            bad |= nonfinite_lanes(b ? vb : va);
+            hits[v] = _mm512_cmp_ps_mask(magnitude(va, vb), vt, _CMP_GE_OQ);
+            any |= (uint32_t)(hits[v] != 0) << v;
         }
+        for (; any; any &= any - 1) {
+            const int v = __builtin_ctz(any);
+            if (c <= cap) keep_candidates(a, b, i + 16 * v, hits[v], c, cand_idx, cand_mag, cand_a, cand_b);
+            c += __builtin_popcount(hits[v]);
+        }
+    }
+    for (; i + 16 <= n; i += 16) {
+        const __m512 va = _mm512_loadu_ps(a + i);
+        const __m512 vb = b ? _mm512_loadu_ps(b + i) : _mm512_setzero_ps();
+        bad |= nonfinite_lanes(b ? vb : va);
+        const __mmask16 hit = _mm512_cmp_ps_mask(magnitude(va, vb), vt, _CMP_GE_OQ);
+        if (hit && c <= cap) keep_candidates(a, b, i, hit, c, cand_idx, cand_mag, cand_a, cand_b);
         c += __builtin_popcount(hit);
     }
     finite &= bad == 0;
@@ -148,8 +177,31 @@ int64_t hsc_select(const float *restrict a, const float *restrict b, int64_t n, 
     const float kth = kth_largest(scratch, c, k);
     int64_t above = 0;
     for (int64_t q = 0; q < c; q++) above += cand_mag[q] > kth;
-    int64_t ties = k - above, o = 0;
-    for (int64_t q = 0; q < c && o < k; q++) {  /* branch-free: o advances past the chosen ones */
+    int64_t ties = k - above, o = 0, q = 0;
+#ifdef __AVX512F__
+    /* By whole vectors: the lanes above kth, and those equal to it while ties last (lowest first;
+     * such lanes are rare), compressed into place. */
+    const __m512 vkth = _mm512_set1_ps(kth);
+    for (; q + 16 <= c; q += 16) {
+        const __m512 mag = _mm512_loadu_ps(cand_mag + q);
+        __mmask16 take = _mm512_cmp_ps_mask(mag, vkth, _CMP_GT_OQ);
+        for (__mmask16 eq = _mm512_cmp_ps_mask(mag, vkth, _CMP_EQ_OQ); eq && ties > 0; eq &= eq - 1, ties--)
+            take |= eq & -eq;
+        const int got = __builtin_popcount(take);
+        const __m512 va = _mm512_loadu_ps(cand_a + q);
+        const __m512 vp = b ? _mm512_add_ps(va, _mm512_loadu_ps(cand_b + q)) : va;
+        const __mmask16 fill = (__mmask16)((1u << got) - 1);
+        const int n_low = __builtin_popcount(take & 0xff);
+        _mm512_mask_storeu_ps(a_at + o, fill, _mm512_maskz_compress_ps(take, va));
+        _mm512_mask_storeu_ps(p_at + o, fill, _mm512_maskz_compress_ps(take, vp));
+        _mm512_mask_storeu_epi64(out_idx + o, (__mmask8)((1u << n_low) - 1),
+                                 _mm512_maskz_compress_epi64((__mmask8)(take & 0xff), _mm512_loadu_si512(cand_idx + q)));
+        _mm512_mask_storeu_epi64(out_idx + o + n_low, (__mmask8)((1u << (got - n_low)) - 1),
+                                 _mm512_maskz_compress_epi64((__mmask8)(take >> 8), _mm512_loadu_si512(cand_idx + q + 8)));
+        o += got;
+    }
+#endif
+    for (; q < c && o < k; q++) {  /* branch-free: o advances past the chosen ones */
         const int tie = cand_mag[q] == kth && ties > 0;
         ties -= tie;
         out_idx[o] = cand_idx[q];
