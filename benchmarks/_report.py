@@ -33,23 +33,25 @@ def replace_section(path, name, body):
 def interleaved(variants, rounds, reference, prepare=None):
     """Time every callable of ``variants`` once per round, in turn, ``rounds`` times.
 
-    ``prepare()`` (not timed) runs before each call. Returns ``{name: (median seconds, median ratio
-    to the reference variant within the same round, best seconds)}``: a ratio taken round by round
-    cancels much of the noise that other processes on the machine add, and the best round shows
-    the cost without preemption (on a loaded machine a call of a few ms is often descheduled).
+    ``prepare()`` (not timed) runs before each call. Every timed call directly follows an untimed
+    call of the same variant (and a ``prepare()``), so each variant, the reference included, starts
+    from the caches its own work leaves: otherwise the variant after a heavy one (large temporaries)
+    starts colder than the others, and a ratio to it is skewed. Returns ``{name: (median seconds,
+    median ratio to the reference variant within the same round, best seconds)}``: a ratio taken
+    round by round cancels much of the noise that other processes on the machine add, and the best
+    round shows the cost without preemption (on a loaded machine a call of a few ms is often
+    descheduled).
     """
     times = {name: [] for name in variants}
-    for name, fn in variants.items():  # warm-up (allocations, caches, lazy initialisation)
-        if prepare:
-            prepare()
-        fn()
     for _ in range(rounds):
         for name, fn in variants.items():
-            if prepare:
-                prepare()
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+            for timed in (False, True):
+                if prepare:
+                    prepare()
+                start = time.perf_counter()
+                fn()
+                if timed:
+                    times[name].append(time.perf_counter() - start)
     ref = times[reference]
     return {name: (statistics.median(ts), statistics.median(t / r for t, r in zip(ts, ref)), min(ts))
             for name, ts in times.items()}

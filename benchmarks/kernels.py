@@ -27,7 +27,6 @@ a ratio is taken to the floor of the same round, and the table gives medians ove
 """
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -37,25 +36,12 @@ import sys
 import torch
 
 from benchmarks._report import interleaved, replace_section
+from hvd_scalecom.native import torch_operations
 from hvd_scalecom.torch import clt_k
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BETA = 0.1
 ENVIRONMENTS = {"default": {}, "THP_MEM_ALLOC_ENABLE=1": {"THP_MEM_ALLOC_ENABLE": "1"}}
-
-
-@contextlib.contextmanager
-def torch_operations():
-    """Run the enclosed calls as with ``HVD_SCALECOM_NATIVE=0`` (clt_k asks at every call)."""
-    before = os.environ.get("HVD_SCALECOM_NATIVE")
-    os.environ["HVD_SCALECOM_NATIVE"] = "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["HVD_SCALECOM_NATIVE"]
-        else:
-            os.environ["HVD_SCALECOM_NATIVE"] = before
 
 
 def make_inputs(numel, seed=0):
@@ -182,7 +168,7 @@ def markdown(rows, command, load):
         "tensor, without the communication, by default with the C kernels of `hvd_scalecom.native`.",
         "The leader: compress is one read-only pass (the threshold selection takes `m[I]`, `p[I]` and",
         "checks that g is finite as it reads m and g), decompress one pass in place (the memory update,",
-        "and the reduced values written over zeros into g). A non-leader, on tensors of 2^21 entries or",
+        "and the reduced values written over zeros into g). A non-leader, on tensors of 2^19 entries or",
         "more: compress is one pass that reads m and g, checks g, takes `m[I]`, `p[I]` and writes the new",
         "memory over g; decompress streams the reduced values over zeros into m's buffer, and the two",
         "buffers trade places (12 + 4 bytes per entry). *Non-leader, in place*, and a non-leader on",

@@ -1,6 +1,7 @@
 """The C kernels (hvd_scalecom.native) against the torch operations of clt_k: the same indices and the
 same floats, bit for bit, on every path they take (vector body, unaligned heads, tails, fallbacks)."""
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -258,6 +259,20 @@ def test_disabled_by_the_environment_variable():
             "assert clt_k.take_checking(torch.zeros(4), torch.zeros(4), torch.tensor([1]))[2]")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ,
                                                                  "HVD_SCALECOM_NATIVE": "0"})
+
+
+def test_torch_operations_within_a_block_give_the_kernels_floats():
+    memory, grad = inputs(200_000, seed=7)
+    results = []
+    for block in (native.torch_operations, contextlib.nullcontext):
+        m, g = memory.clone(), grad.clone()
+        with block():
+            assert (native.library() is None) == (block is native.torch_operations)
+            indices, at, values, finite = clt_k.select_and_take(m, g, 2000, "threshold")
+            clt_k.filter_and_scatter_(m, g, indices, 0.5 * values, at, values, values, BETA)
+        results.append((indices.sort().values, m, g))
+    assert native.library() is not None  # enabled again after the block
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

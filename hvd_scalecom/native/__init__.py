@@ -5,10 +5,12 @@ The source ships with the package and is compiled at first use with the system C
 ``~/.cache/hvd_scalecom/native``), keyed by the source, the flags, the compiler and the CPU's
 features, so that processes starting together or nodes sharing a home directory never load a
 library built for another CPU. :func:`library` returns None (and warns once) where no compiler
-works, or where ``HVD_SCALECOM_NATIVE=0``: the callers then use torch operations, which compute
-the same values.
+works, or where ``HVD_SCALECOM_NATIVE=0`` (read once, at the first call): the callers then use
+torch operations, which compute the same values; :func:`torch_operations` does the same for a block of
+code.
 """
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -23,11 +25,27 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-share
 
 _library = None
 _tried = False
+_enabled = None  # HVD_SCALECOM_NATIVE, read at the first call (the callers ask at every call)
 
 
 def enabled():
     """False when ``HVD_SCALECOM_NATIVE`` is set to 0 (use torch operations only)."""
-    return os.environ.get("HVD_SCALECOM_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+    global _enabled
+    if _enabled is None:
+        _enabled = os.environ.get("HVD_SCALECOM_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _enabled
+
+
+@contextlib.contextmanager
+def torch_operations():
+    """Within the block, :func:`library` returns None: the callers use torch operations."""
+    global _enabled
+    before = enabled()
+    _enabled = False
+    try:
+        yield
+    finally:
+        _enabled = before
 
 
 def library():

@@ -373,13 +373,15 @@ int hsc_take_advancing(const float *restrict m, float *restrict g, int64_t n, fl
 }
 
 /* Step 5 into out, which is not read: zeros, and values[j] at the j-th index of I (bits from
- * hsc_mark). Whole 64-byte lines go by non-temporal stores (when out is 64-byte aligned, as torch
- * allocates): a buffer larger than the caches is not worth a read for ownership before it is
- * overwritten. */
+ * hsc_mark). From STREAM_MIN entries on, whole 64-byte lines go by non-temporal stores (when out is
+ * 64-byte aligned, as torch allocates): a buffer larger than the caches is not worth a read for
+ * ownership before it is overwritten, while one that fits is faster written through them. */
+enum { STREAM_MIN = 1 << 22 /* 16 MB of fp32: half the last-level cache of the machines timed */ };
+
 void hsc_scatter_marked(float *restrict out, int64_t n, const uint16_t *restrict bits, const float *restrict values) {
     int64_t i = 0, j = 0;
 #ifdef __AVX512F__
-    const int stream = ((uintptr_t)out & 63) == 0;
+    const int stream = ((uintptr_t)out & 63) == 0 && n >= STREAM_MIN;
     for (; i + 64 <= n; i += 64) {
         const uint64_t word = marks64(bits, i);
         for (int q = 0; q < 64; q += 16) {

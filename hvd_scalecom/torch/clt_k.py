@@ -136,8 +136,16 @@ def _thresholded(numel, k):
 
 def _native_applies(*tensors):
     """The C kernels take contiguous fp32 CPU tensors (when they could be built)."""
-    return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
-            and native.library() is not None)
+    return native.library() is not None and all(
+        t.is_cpu and t.dtype is torch.float32 and t.is_contiguous() for t in tensors)
+
+
+def _flat(tensor, dtype=None):
+    """``tensor`` as a 1-D tensor of ``dtype`` (default: its own), without a call where it is one
+    already: these run per tensor and step, where each torch call costs about a microsecond."""
+    if tensor.ndim != 1:
+        tensor = tensor.reshape(-1)
+    return tensor if dtype is None or tensor.dtype is dtype else tensor.to(dtype)
 
 
 def _sample_plan(numel, k):
@@ -280,9 +288,9 @@ def take_checking(memory, grad, indices, check=True):
     every entry of ``g`` is (with ``check``; else True): a rank with a non-finite gradient sends NaN,
     so that all skip the memory update (see :func:`filter_and_scatter_`). One read-only pass in C on
     contiguous fp32 CPU tensors."""
-    flat = grad.reshape(-1)
-    indices = indices.reshape(-1).to(torch.int64)
-    if _native_applies(memory, flat) and indices.device.type == "cpu" and indices.is_contiguous():
+    flat = _flat(grad)
+    indices = _flat(indices, torch.int64)
+    if _native_applies(memory, flat) and indices.is_cpu and indices.is_contiguous():
         k = indices.numel()
         memory_at_indices, values = torch.empty(k), torch.empty(k)
         status = native.library().hsc_take(memory.data_ptr(), flat.data_ptr(), flat.numel(), indices.data_ptr(),
@@ -312,12 +320,12 @@ def filter_and_scatter_(memory, grad, indices, reduced, memory_at_indices, value
     ``reduced`` at ``indices``. Returns whether the memory was updated. ``(m[I], p[I])`` are those
     of :func:`take_checking`, ``sent`` the values as this rank sent them. On contiguous fp32 CPU
     tensors one pass in C reads and writes m and g once (ascending indices are fastest)."""
-    flat = grad.view(-1)
-    indices = indices.reshape(-1).to(torch.int64)
-    reduced = reduced.reshape(-1).to(flat.dtype)
-    if _native_applies(memory, flat, reduced) and indices.device.type == "cpu":
+    flat = grad if grad.ndim == 1 else grad.view(-1)  # written to: a view, never a copy
+    indices = _flat(indices, torch.int64)
+    reduced = _flat(reduced, flat.dtype)
+    memory_at_indices = _flat(memory_at_indices, memory.dtype)
+    if _native_applies(memory, flat, reduced, memory_at_indices) and indices.is_cpu and indices.is_contiguous():
         order = None
-        memory_at_indices = memory_at_indices.reshape(-1).to(memory.dtype).contiguous()
         while True:
             status = native.library().hsc_filter_scatter(
                 memory.data_ptr(), flat.data_ptr(), flat.numel(), ctypes.c_float(beta), ctypes.c_float(1.0 - beta),
@@ -339,9 +347,10 @@ def filter_and_scatter_(memory, grad, indices, reduced, memory_at_indices, value
     return finite
 
 
-# Below this many entries a gradient and its memory sit in the caches, where the in-place passes
-# (take_checking, filter_and_scatter_) are faster than writing the memory over the gradient.
-_ADVANCE_MIN_NUMEL = 1 << 21
+# Below this many entries (2 MB of fp32: a gradient and its memory in the second-level caches) the
+# in-place passes (take_checking, filter_and_scatter_) are as fast as writing the memory over the
+# gradient and cost fewer calls; from 1M entries on, trading buffers was measured faster.
+_ADVANCE_MIN_NUMEL = 1 << 19
 
 
 def may_advance(memory, grad):
@@ -362,8 +371,8 @@ def take_advancing_(memory, grad, indices, beta, marks=None):
     having written nothing, where an index repeats. Finish with :func:`filter_and_scatter_advanced`,
     given the same ``marks`` (a :class:`Marks` of the tensor's size, to keep I's bitmap in between;
     by default a shared one, rebuilt there)."""
-    flat = grad.view(-1)
-    indices = indices.reshape(-1).to(torch.int64).contiguous()
+    flat = grad if grad.ndim == 1 else grad.view(-1)
+    indices = _flat(indices, torch.int64).contiguous()
     marks = _mark(indices, flat.numel(), marks)
     if marks is None:
         return None
@@ -382,12 +391,12 @@ def filter_and_scatter_advanced(memory, grad, indices, reduced, values, sent, be
     """Steps 4-5 after :func:`take_advancing_`: returns ``(gradient, memory, updated)``. If every
     reduced value is finite, ``grad``'s buffer (holding the new memory) becomes the memory and the
     old memory's buffer the gradient; otherwise the memory is kept and ``grad`` is the gradient. The
-    gradient (flat) receives zeros with ``reduced`` at ``indices``, by streaming stores: its buffer is
-    not read. ``values``, ``sent`` as for :func:`filter_and_scatter_`; ``marks`` as given to
+    gradient (flat) receives zeros with ``reduced`` at ``indices`` without being read (by streaming
+    stores on large tensors). ``values``, ``sent`` as for :func:`filter_and_scatter_`; ``marks`` as given to
     ``take_advancing_`` (None: I's bitmap is rebuilt)."""
-    flat = grad.view(-1)
-    indices = indices.reshape(-1).to(torch.int64).contiguous()
-    reduced = reduced.reshape(-1).to(flat.dtype).contiguous()
+    flat = grad if grad.ndim == 1 else grad.view(-1)
+    indices = _flat(indices, torch.int64).contiguous()
+    reduced = _flat(reduced, flat.dtype).contiguous()
     updated = all_finite(reduced)
     if updated:
         new_memory = torch.empty(0, dtype=flat.dtype, device=flat.device).set_(

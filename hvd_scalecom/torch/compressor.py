@@ -14,10 +14,10 @@ Per parameter and step (see :mod:`hvd_scalecom.torch.clt_k` for the equations):
 On contiguous fp32 CPU tensors (where the C kernels of :mod:`hvd_scalecom.native` can be built) each
 side is one pass: ``compress`` reads ``m`` and ``g`` once (the leader selects as it reads; every rank
 takes ``m[I]``, ``p[I]`` and checks finiteness), and ``decompress`` updates ``m`` and writes the
-reduced values over zeros into ``g`` in one pass over both. On gradients of 2**21 entries or more
+reduced values over zeros into ``g`` in one pass over both. On gradients of 2**19 entries or more
 that own their storage, a rank that did not select writes the new memory over ``g`` in its
 ``compress`` pass instead (``m`` is only read), and ``decompress``, if the reduction is finite,
-hands the old memory's buffer back as the gradient (zeros and the reduced values, streamed) and
+hands the old memory's buffer back as the gradient (zeros and the reduced values, not read first) and
 keeps ``g``'s buffer as the memory: a gradient's storage changes at every step, as it does with
 Horovod's fp16 compression. ``HVD_SCALECOM_NATIVE=0`` uses torch operations instead (the same
 values, bit for bit).
