@@ -45,18 +45,17 @@ static inline __m512 magnitude(__m512 va, __m512 vb) {
     return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(p), _mm512_set1_epi32(0x7fffffff)));
 }
 
-/* Appends the lanes of entries i..i+16 set in hit to the candidates at c: index, |a + b|, a and b
- * (b zero when NULL). Whole-vector stores: the buffers hold 16 entries of slack. */
+/* Appends the lanes of entries i..i+16 set in hit to the candidates at c: index, a + b (b zero when
+ * NULL) and a. Whole-vector stores: the buffers hold 16 entries of slack. */
 static inline void keep_candidates(const float *a, const float *b, int64_t i, __mmask16 hit, int64_t c,
-                                   int64_t *cand_idx, float *cand_mag, float *cand_a, float *cand_b) {
+                                   int64_t *cand_idx, float *cand_p, float *cand_a) {
     const __m512i lanes = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
     const __m512 va = _mm512_loadu_ps(a + i), vb = b ? _mm512_loadu_ps(b + i) : _mm512_setzero_ps();
     const __m512i low = _mm512_add_epi64(_mm512_set1_epi64(i), lanes);
     const __m512i high = _mm512_add_epi64(low, _mm512_set1_epi64(8));
     const int n_low = __builtin_popcount(hit & 0xff);
-    _mm512_storeu_ps(cand_mag + c, _mm512_maskz_compress_ps(hit, magnitude(va, vb)));
+    _mm512_storeu_ps(cand_p + c, _mm512_maskz_compress_ps(hit, _mm512_add_ps(va, vb)));
     _mm512_storeu_ps(cand_a + c, _mm512_maskz_compress_ps(hit, va));
-    _mm512_storeu_ps(cand_b + c, _mm512_maskz_compress_ps(hit, vb));
     _mm512_storeu_si512((void *)(cand_idx + c), _mm512_maskz_compress_epi64((__mmask8)(hit & 0xff), low));
     _mm512_storeu_si512((void *)(cand_idx + c + n_low), _mm512_maskz_compress_epi64((__mmask8)(hit >> 8), high));
 }
@@ -105,7 +104,7 @@ static float kth_largest(float *x, int64_t n, int64_t r) {
 /* Exact top-k of |a + b| (b may be NULL: |a|) into out_idx[0..k) in ascending index order, with
  * a_at = a[I] and p_at = a[I] + b[I] (steps 2-3 on the leader): the threshold t is the rank-th largest
  * magnitude at the sample positions (NaN counted as 0); one read-only pass collects the candidates
- * |a + b| >= t (index, magnitude, a, b) and checks that every b (a when b is NULL) is finite
+ * |a + b| >= t (index, a + b, a) and checks that every b (a when b is NULL) is finite
  * (*finite_out); the k largest are picked among the candidates, ties at the k-th magnitude going to
  * the lowest indices. Returns k; -1 when t is not positive (before the pass) or fewer than k reach it
  * (the caller falls back to a full top-k); -2 when more than cap do (retry with more room). NaN
@@ -113,7 +112,7 @@ static float kth_largest(float *x, int64_t n, int64_t r) {
  * max(cap, s). */
 int64_t hsc_select(const float *restrict a, const float *restrict b, int64_t n, int64_t k,
                    const int64_t *sample, int64_t s, int64_t rank, int64_t *restrict cand_idx,
-                   float *restrict cand_mag, float *restrict cand_a, float *restrict cand_b, int64_t cap,
+                   float *restrict cand_p, float *restrict cand_a, int64_t cap,
                    float *restrict scratch, int64_t *restrict out_idx, float *restrict a_at,
                    float *restrict p_at, int *finite_out) {
     for (int64_t i = 0; i < s; i++) {
@@ -148,7 +147,7 @@ int64_t hsc_select(const float *restrict a, const float *restrict b, int64_t n, 
         }
         for (; any; any &= any - 1) {
             const int v = __builtin_ctz(any);
-            if (c <= cap) keep_candidates(a, b, i + 16 * v, hits[v], c, cand_idx, cand_mag, cand_a, cand_b);
+            if (c <= cap) keep_candidates(a, b, i + 16 * v, hits[v], c, cand_idx, cand_p, cand_a);
             c += __builtin_popcount(hits[v]);
         }
     }
@@ -157,7 +156,7 @@ int64_t hsc_select(const float *restrict a, const float *restrict b, int64_t n, 
         const __m512 vb = b ? _mm512_loadu_ps(b + i) : _mm512_setzero_ps();
         bad |= nonfinite_lanes(b ? vb : va);
         const __mmask16 hit = _mm512_cmp_ps_mask(magnitude(va, vb), vt, _CMP_GE_OQ);
-        if (hit && c <= cap) keep_candidates(a, b, i, hit, c, cand_idx, cand_mag, cand_a, cand_b);
+        if (hit && c <= cap) keep_candidates(a, b, i, hit, c, cand_idx, cand_p, cand_a);
         c += __builtin_popcount(hit);
     }
     finite &= bad == 0;
@@ -166,30 +165,30 @@ int64_t hsc_select(const float *restrict a, const float *restrict b, int64_t n, 
         float ai = a[i], bi = b ? b[i] : 0.0f, mag = fabsf(b ? ai + bi : ai);
         finite &= fabsf(checked[i]) <= FLT_MAX;
         if (mag >= t) {
-            if (c < cap) { cand_idx[c] = i; cand_mag[c] = mag; cand_a[c] = ai; cand_b[c] = bi; }
+            if (c < cap) { cand_idx[c] = i; cand_p[c] = b ? ai + bi : ai; cand_a[c] = ai; }
             c++;
         }
     }
     *finite_out = finite;
     if (c < k) return -1;
     if (c > cap) return -2;
-    memcpy(scratch, cand_mag, (size_t)c * sizeof(float));
+    for (int64_t q = 0; q < c; q++) scratch[q] = fabsf(cand_p[q]);
     const float kth = kth_largest(scratch, c, k);
     int64_t above = 0;
-    for (int64_t q = 0; q < c; q++) above += cand_mag[q] > kth;
+    for (int64_t q = 0; q < c; q++) above += fabsf(cand_p[q]) > kth;
     int64_t ties = k - above, o = 0, q = 0;
 #ifdef __AVX512F__
     /* By whole vectors: the lanes above kth, and those equal to it while ties last (lowest first;
      * such lanes are rare), compressed into place. */
     const __m512 vkth = _mm512_set1_ps(kth);
     for (; q + 16 <= c; q += 16) {
-        const __m512 mag = _mm512_loadu_ps(cand_mag + q);
+        const __m512 vp = _mm512_loadu_ps(cand_p + q);
+        const __m512 mag = _mm512_abs_ps(vp);
         __mmask16 take = _mm512_cmp_ps_mask(mag, vkth, _CMP_GT_OQ);
         for (__mmask16 eq = _mm512_cmp_ps_mask(mag, vkth, _CMP_EQ_OQ); eq && ties > 0; eq &= eq - 1, ties--)
             take |= eq & -eq;
         const int got = __builtin_popcount(take);
         const __m512 va = _mm512_loadu_ps(cand_a + q);
-        const __m512 vp = b ? _mm512_add_ps(va, _mm512_loadu_ps(cand_b + q)) : va;
         const __mmask16 fill = (__mmask16)((1u << got) - 1);
         const int n_low = __builtin_popcount(take & 0xff);
         _mm512_mask_storeu_ps(a_at + o, fill, _mm512_maskz_compress_ps(take, va));
@@ -202,12 +201,13 @@ int64_t hsc_select(const float *restrict a, const float *restrict b, int64_t n, 
     }
 #endif
     for (; q < c && o < k; q++) {  /* branch-free: o advances past the chosen ones */
-        const int tie = cand_mag[q] == kth && ties > 0;
+        const float mag = fabsf(cand_p[q]);
+        const int tie = mag == kth && ties > 0;
         ties -= tie;
         out_idx[o] = cand_idx[q];
         a_at[o] = cand_a[q];
-        p_at[o] = b ? cand_a[q] + cand_b[q] : cand_a[q];
-        o += (cand_mag[q] > kth) | tie;
+        p_at[o] = cand_p[q];
+        o += (mag > kth) | tie;
     }
     return o;
 }

@@ -170,9 +170,8 @@ class _SelectBuffers:
         if cap > self.cap or sample_size > self.scratch.numel():
             self.cap = max(cap, self.cap)
             self.indices = torch.empty(self.cap + 16, dtype=torch.int64)  # + one vector of slack
-            self.magnitudes = torch.empty(self.cap + 16)
+            self.p = torch.empty(self.cap + 16)
             self.a = torch.empty(self.cap + 16)
-            self.b = torch.empty(self.cap + 16)
             self.scratch = torch.empty(max(self.cap, sample_size))
         return self
 
@@ -197,8 +196,8 @@ def _native_select(a, b, k):
     while True:
         buffers = _select_buffers.ensure(cap, size)
         got = lib.hsc_select(a.data_ptr(), None if b is None else b.data_ptr(), numel, k, positions.data_ptr(),
-                             size, rank, buffers.indices.data_ptr(), buffers.magnitudes.data_ptr(),
-                             buffers.a.data_ptr(), buffers.b.data_ptr(), buffers.cap,
+                             size, rank, buffers.indices.data_ptr(), buffers.p.data_ptr(),
+                             buffers.a.data_ptr(), buffers.cap,
                              buffers.scratch.data_ptr(), indices.data_ptr(), a_at.data_ptr(),
                              p_at.data_ptr(), ctypes.byref(finite))
         if got != -2:
