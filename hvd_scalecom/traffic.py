@@ -75,12 +75,17 @@ class TrafficMeter:
         self._keep = keep
 
     def record(self, step, **counts):
-        entry = self._by_step.setdefault(step, StepTraffic())
-        delta = StepTraffic(tensors=1, **counts)
-        entry.add(delta)
-        self._total.add(delta)
-        for old in [s for s in self._by_step if s < step - self._keep]:
-            del self._by_step[old]
+        """One tensor of ``step``: ``counts`` are ``StepTraffic`` fields to add (once per tensor and
+        step, so kept cheap)."""
+        entry = self._by_step.get(step)
+        if entry is None:
+            entry = self._by_step[step] = StepTraffic()
+            for old in [s for s in self._by_step if s < step - self._keep]:
+                del self._by_step[old]
+        for target in (entry, self._total):
+            target.tensors += 1
+            for name, value in counts.items():
+                setattr(target, name, getattr(target, name) + value)
 
     def add_time(self, step, seconds):
         self._by_step.setdefault(step, StepTraffic()).compress_seconds += seconds

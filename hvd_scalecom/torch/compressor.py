@@ -125,6 +125,7 @@ class ScaleCom(Compressor):
                                         and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
         self.timeout = timeout
+        self._stall = _stall_times(timeout)  # Horovod's stall settings, read at start-up as Horovod does
         if loss_scaler is not None and not callable(getattr(loss_scaler, "get_scale", None)):
             raise TypeError(f"loss_scaler must have a get_scale() method (torch.amp.GradScaler), "
                             f"got {type(loss_scaler).__name__}")
@@ -435,7 +436,7 @@ class ScaleCom(Compressor):
         if handle is None:
             return  # restored from a checkpoint: nothing in flight
         start = warned = time.monotonic()
-        warn_every, limit = _stall_times(self.timeout)
+        warn_every, limit = self._stall
         cause = ("Ranks reduce parameters in different orders while leader='staggered', or a rank "
                  "stopped training.")
         while not hvd.poll(handle):
