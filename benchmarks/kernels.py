@@ -14,14 +14,16 @@ One thread (as each Horovod worker here), fp32 gradient ``g`` and residue memory
   update and the reduced values written over zeros into g, one pass in place). A non-leader, on
   tensors of ``clt_k._ADVANCE_MIN_NUMEL`` entries or more: ``take_advancing_`` (the new memory
   written over g as m and g are read), then ``filter_and_scatter_advanced`` (the buffers traded,
-  the reduced values streamed over zeros into the old memory's); on smaller ones, and in the *in
+  the reduced values written over zeros into the old memory's); on smaller ones, and in the *in
   place* column at every size, ``take_checking`` then ``filter_and_scatter_``. With the C kernels
   (the default on contiguous fp32 CPU tensors) and with torch operations
   (``HVD_SCALECOM_NATIVE=0``, and CUDA).
 
 Each variant runs once per round (15 rounds; 60 for tensors of up to 2^22 entries), in turn, on the
-same inputs (restored before every call, untimed);
-a ratio is taken to the floor of the same round, and the table gives medians over rounds. With
+same inputs (restored before every call, untimed), each timed call right after an untimed one of
+the same variant (so that none starts from caches another variant left: see
+``benchmarks._report.interleaved``); a ratio is taken to the floor of the same round, and the
+table gives medians over rounds. With
 ``--environments`` the sizes are also measured in a child process started with
 ``THP_MEM_ALLOC_ENABLE=1`` (PyTorch's CPU allocator then uses transparent huge pages).
 """
@@ -163,14 +165,17 @@ def markdown(rows, command, load):
         f"Made by `{command}`: one thread, fp32 gradient and memory, beta 0.1, gradient-like synthetic",
         "data (Gaussian entries, log-normal scale per 256-entry block). The floor is `m.add_(g)` (reads",
         "g and m, writes m in place); ratios are medians of per-round ratios to the floor measured in the",
-        "same round; each cell gives the median ratio (the best round's time over the best floor).",
+        "same round; each cell gives the median ratio (the best round's time over the best floor). Every",
+        "call starts from the inputs just restored (the tensors of 1M entries then sit in the caches) and",
+        "is timed right after an untimed call of the same variant, the floor's included.",
         "*Leader* and *non-leader* are the `clt_k` calls `ScaleCom.compress` + `decompress` make for one",
         "tensor, without the communication, by default with the C kernels of `hvd_scalecom.native`.",
         "The leader: compress is one read-only pass (the threshold selection takes `m[I]`, `p[I]` and",
         "checks that g is finite as it reads m and g), decompress one pass in place (the memory update,",
         "and the reduced values written over zeros into g). A non-leader, on tensors of 2^19 entries or",
         "more: compress is one pass that reads m and g, checks g, takes `m[I]`, `p[I]` and writes the new",
-        "memory over g; decompress streams the reduced values over zeros into m's buffer, and the two",
+        "memory over g; decompress writes the reduced values over zeros into m's buffer (streaming",
+        "stores from 2^22 entries on), and the two",
         "buffers trade places (12 + 4 bytes per entry). *Non-leader, in place*, and a non-leader on",
         "smaller tensors: compress reads g (finiteness, `m[I]`, `p[I]`), decompress updates m and writes",
         "the gradient into g in place (4 + 16 bytes). *Non-leader, k = 0*: the non-leader's calls with",

@@ -36,7 +36,7 @@ def overlap(a, b):
     return len(set(a.tolist()) & set(b.tolist())) / max(1, len(b))
 
 
-@pytest.mark.parametrize("numel", [65_536, 100_003, 1_048_576, 4_200_001])
+@pytest.mark.parametrize("numel", [1024, 1500, 4096, 5003, 60_000, 65_536, 100_003, 1_048_576, 4_200_001])
 @pytest.mark.parametrize("ratio", [0.01, 0.001, 0.05])
 def test_threshold_is_the_exact_set_on_random_data(numel, ratio):
     gen = torch.Generator().manual_seed(numel + int(1e4 * ratio))
@@ -72,6 +72,9 @@ def test_ties_all_equal_and_mostly_zeros():
     ties = torch.randint(-5, 6, (numel,), generator=gen).float()  # 11 values: ties at the k-th one
     for k in (1, 100, 2000, 20_000):
         assert_is_top_k(ties, k, clt_k.select_top_k(ties, k, "threshold"))
+    for small in (1024, 3000, 50_000):  # the C selection from 1,024 entries; its sample is all of p below 4,096
+        for k in (1, small // 100, small // 16):
+            assert_is_top_k(ties[:small], k, clt_k.select_top_k(ties[:small], k, "threshold"))
     equal = torch.full((numel,), -0.25)
     assert_is_top_k(equal, 2000, clt_k.select_top_k(equal, 2000, "threshold"))
     zeros = torch.zeros(numel)
