@@ -62,8 +62,8 @@ def select_top_k(p, k, selection="exact"):
 
     If fewer than k entries reach ``t`` (or ``t`` is 0, e.g. mostly zeros), it falls back to
     ``"exact"``, so the result is always an exact top-k. Ratios above 1/16 and small tensors (below
-    65,536 entries with torch operations, 1,024 in C) use ``"exact"`` directly. NaN entries are never selected by ``"threshold"`` (``torch.topk`` ranks
-    them first). On contiguous fp32 CPU tensors steps 2-3 are one read-only pass in C that collects
+    65,536 entries with torch operations, 1,024 in C) use ``"exact"`` directly. NaN entries are
+    never selected by ``"threshold"`` (``torch.topk`` ranks them first). On contiguous fp32 CPU tensors steps 2-3 are one read-only pass in C that collects
     the candidates in index order (the k returned ascending; ties at the k-th magnitude go to the
     lowest indices).
     """
