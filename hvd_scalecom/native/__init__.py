@@ -1,8 +1,9 @@
-"""ScaleCom's per-tensor passes in C (``scalecom_kernels.c``), called through ctypes on raw pointers.
+"""ScaleCom's per-tensor passes (``scalecom_kernels.c``) and the count sketch of Sketched SGD
+(``sketch_kernels.c``) in C, called through ctypes on raw pointers.
 
-The source ships with the package and is compiled at first use with the system C compiler
-(``$CC``, else ``cc``/``gcc``; ``-O3 -march=native``) into ``$HVD_SCALECOM_CACHE`` (default
-``~/.cache/hvd_scalecom/native``), keyed by the source, the flags, the compiler and the CPU's
+The sources ship with the package and are compiled at first use with the system C compiler
+(``$CC``, else ``cc``/``gcc``; ``-O3 -march=native``) into one library in ``$HVD_SCALECOM_CACHE``
+(default ``~/.cache/hvd_scalecom/native``), keyed by the sources, the flags, the compiler and the CPU's
 features, so that processes starting together or nodes sharing a home directory never load a
 library built for another CPU. :func:`library` returns None (and warns once) where no compiler
 works, or where ``HVD_SCALECOM_NATIVE=0`` (read once, at the first call): the callers then use
@@ -20,7 +21,8 @@ import subprocess
 import tempfile
 import warnings
 
-SOURCE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scalecom_kernels.c")
+SOURCE_PATHS = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
+                     for name in ("scalecom_kernels.c", "sketch_kernels.c"))
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
 
 _library = None
@@ -78,9 +80,11 @@ def _build():
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler found (set CC)")
-    with open(SOURCE_PATH, "rb") as f:
-        source = f.read()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), os.path.realpath(compiler).encode(),
+    sources = []
+    for path in SOURCE_PATHS:
+        with open(path, "rb") as f:
+            sources.append(f.read())
+    key = hashlib.sha256(b"\0".join([*sources, " ".join(FLAGS).encode(), os.path.realpath(compiler).encode(),
                                      _cpu_features().encode()])).hexdigest()[:20]
     cache = os.environ.get("HVD_SCALECOM_CACHE",
                            os.path.join(os.path.expanduser("~"), ".cache", "hvd_scalecom", "native"))
@@ -91,7 +95,7 @@ def _build():
     fd, partial = tempfile.mkstemp(prefix=".building_", suffix=".so", dir=cache)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, "-o", partial, SOURCE_PATH, "-lm"],
+        done = subprocess.run([compiler, *FLAGS, "-o", partial, *SOURCE_PATHS, "-lm"],
                               capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
@@ -118,4 +122,10 @@ def _declare(lib):
     lib.hsc_scatter_marked.argtypes = [ptr, i64, ptr, ptr]
     lib.hsc_all_finite.restype = i32
     lib.hsc_all_finite.argtypes = [ptr, i64]
+    lib.hsc_sketch.restype = i32
+    lib.hsc_sketch.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr]
+    lib.hsc_estimate.restype = i32
+    lib.hsc_estimate.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr]
+    lib.hsc_sketch_lanes.restype = i32
+    lib.hsc_sketch_lanes.argtypes = []
     return lib

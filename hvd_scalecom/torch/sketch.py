@@ -29,9 +29,17 @@ integers, identical on every rank and every device. Memory: ``3 r`` int64 seeds 
 coordinate. :meth:`CountSketch.sketch` and :meth:`CountSketch.estimate` hash the coordinates in chunks
 of ``CHUNK_CELLS // r``, so their temporaries (a few 8-byte integers per (row, coordinate) pair of a
 chunk: some 40 MB, plus the sketched values of a chunk per batch row) stay bounded whatever ``d``.
+
+On fp32 CPU tensors of at most ``2**30`` coordinates (``x_1 = 0``), both run in C instead
+(``hsc_sketch``, and ``hsc_estimate`` up to 16 rows, of :mod:`hvd_scalecom.native`): they hash each
+coordinate in integer arithmetic, nothing stored, and compute the same floats as the torch
+operations, bit for bit: each cell's terms added in the order ``index_add_`` adds them, and the
+element ``torch.median`` picks, NaN included (``tests/test_sketch_kernels.py``).
 """
 
 import torch
+
+from hvd_scalecom import native
 
 PRIME = 2**31 - 1                     # p of the hash family
 LIMB_BITS = 30                        # x = x_0 + 2**30 x_1, both limbs < p
@@ -40,6 +48,16 @@ MAX_COLUMNS = 2**31                   # m c < 2**63
 CHUNK_CELLS = 1 << 20                 # (row, coordinate) pairs hashed at once
 MIX_MULTIPLIER = 0x7FEB352D           # odd and < 2**31 (from Wellons' lowbias32): m * it < 2**63
 _MASK32 = 2**32 - 1
+
+
+def _native_library(*tensors):
+    """The C kernels where they apply to ``tensors`` (contiguous fp32 CPU tensors outside autograd),
+    else None."""
+    lib = native.library()
+    if lib is None or not all(t.is_cpu and t.dtype is torch.float32 and t.is_contiguous() and not t.requires_grad
+                              for t in tensors):
+        return None
+    return lib
 
 
 def mix32_(h):
@@ -94,6 +112,10 @@ class CountSketch:
         flat = v.reshape(-1, self.numel)
         batch = flat.shape[0]
         table = torch.zeros(batch, self.rows * self.columns, dtype=v.dtype, device=v.device)
+        lib = _native_library(flat) if self.numel <= 1 << LIMB_BITS else None
+        if lib is not None and lib.hsc_sketch(flat.data_ptr(), batch, self.numel, self.seeds.data_ptr(), self.rows,
+                                              self.columns, table.data_ptr()) == 0:
+            return table.reshape(*lead, self.rows, self.columns)
         for start, stop, cells, signs in self._chunks(v.device):
             signed = (flat[:, None, start:stop] * signs.to(v.dtype)).reshape(batch, -1)
             table.index_add_(1, cells, signed)
@@ -105,6 +127,10 @@ class CountSketch:
         flat = table.reshape(-1, self.rows * self.columns)
         batch = flat.shape[0]
         out = torch.empty(batch, self.numel, dtype=table.dtype, device=table.device)
+        lib = _native_library(flat) if self.numel <= 1 << LIMB_BITS else None
+        if lib is not None and lib.hsc_estimate(flat.data_ptr(), batch, self.numel, self.seeds.data_ptr(), self.rows,
+                                                self.columns, out.data_ptr()) == 0:  # else more than 16 rows
+            return out.reshape(*lead, self.numel)
         for start, stop, cells, signs in self._chunks(table.device):
             per_row = flat[:, cells].reshape(batch, self.rows, stop - start) * signs.to(table.dtype)
             out[:, start:stop] = per_row.median(dim=1).values
