@@ -21,6 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # name -> arguments after ``python -m benchmarks.NAME`` (the module's full run), in running order
 BENCHMARKS = {
     "kernels": [],
+    "sketch_kernels": [],
     "slow_link": [],
     "scalecom_options": [],
     "convergence": [],

@@ -1,6 +1,6 @@
 """Sketched SGD's count sketch (:class:`hvd_scalecom.torch.sketch.CountSketch`): ``sketch`` then
 ``estimate`` of one fp32 vector with the C kernels and with torch operations, side by side in one
-process; prints the timings (writes no file).
+process; writes the "Count sketch" section of docs/performance.md.
 
     .venv/bin/python -m benchmarks.sketch_kernels                # 8,403,978 entries, 5 x 136,000
     .venv/bin/python -m benchmarks.sketch_kernels --smoke        # 100,000 entries, two rounds
@@ -8,17 +8,22 @@ process; prints the timings (writes no file).
 One thread (as each Horovod worker here). Each round times, in turn, the kernels' sketch and
 estimate, then the torch operations' (``hvd_scalecom.native.torch_operations``), on the same vector
 and table, after one untimed round; the table gives medians over rounds, the ratio taken round by
-round. Both paths' outputs are checked to be the same floats first.
+round. Both paths' outputs are checked to be the same floats first. The default size is the
+slow-link benchmark's model (``benchmarks/slow_link.py``) with Sketched SGD at ratio 0.0003.
 """
 
 import argparse
+import os
 import statistics
 import time
 
 import torch
 
+from benchmarks._report import replace_section
 from hvd_scalecom import native
 from hvd_scalecom.torch.sketch import CountSketch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def timed(fn):
@@ -27,21 +32,11 @@ def timed(fn):
     return time.perf_counter() - start
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--numel", type=int, default=8_403_978)
-    parser.add_argument("--rows", type=int, default=5)
-    parser.add_argument("--columns", type=int, default=136_000)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--smoke", action="store_true", help="100,000 entries, 2 rounds")
-    args = parser.parse_args()
-    if args.smoke:
-        args.numel, args.columns, args.rounds = 100_000, 2_000, 2
-    torch.set_num_threads(1)
-    if native.library() is None:
-        raise SystemExit("the C kernels are unavailable (HVD_SCALECOM_NATIVE=0 or no compiler)")
-    cs = CountSketch(args.numel, args.rows, args.columns, seed=1)
-    v = torch.randn(args.numel, generator=torch.Generator().manual_seed(2))
+def measure(numel, rows, columns, rounds):
+    """``{path: (sketch ms, estimate ms, both ms)}`` (medians) and the median per-round ratio of the
+    torch operations' time to the kernels'."""
+    cs = CountSketch(numel, rows, columns, seed=1)
+    v = torch.randn(numel, generator=torch.Generator().manual_seed(2))
     table = cs.sketch(v)
     estimate = cs.estimate(table)
     with native.torch_operations():
@@ -57,16 +52,56 @@ def main():
         return kernels, torch_ops
 
     one_round()
-    rounds = [one_round() for _ in range(args.rounds)]
-    print(f"CountSketch, {args.numel:,} fp32 entries, {args.rows} x {args.columns:,} table, 1 thread, "
-          f"{args.rounds} rounds (medians, ms)")
-    print(f"{'':18s}{'sketch':>10s}{'estimate':>10s}{'both':>10s}")
+    results = [one_round() for _ in range(rounds)]
+    ms = {}
     for name, at in (("C kernels", 0), ("torch operations", 1)):
-        parts = [statistics.median(r[at][part] for r in rounds) * 1e3 for part in (0, 1)]
-        both = statistics.median(sum(r[at]) for r in rounds) * 1e3
-        print(f"{name:18s}{parts[0]:10.1f}{parts[1]:10.1f}{both:10.1f}")
-    ratio = statistics.median(sum(r[1]) / sum(r[0]) for r in rounds)
+        parts = [1e3 * statistics.median(r[at][part] for r in results) for part in (0, 1)]
+        ms[name] = (*parts, 1e3 * statistics.median(sum(r[at]) for r in results))
+    return ms, statistics.median(sum(r[1]) / sum(r[0]) for r in results)
+
+
+def markdown(args, ms, ratio, command, load):
+    lines = [
+        "## Count sketch (Sketched SGD): the C kernels against torch operations",
+        "",
+        f"Made by `{command}`: `CountSketch.sketch` then `estimate` of one vector of {args.numel:,} fp32",
+        f"entries into a {args.rows} x {args.columns:,} table, one thread, {args.rounds} rounds (medians; the",
+        "ratio taken round by round). Both paths compute the same floats (checked first, and by",
+        "`tests/test_sketch_kernels.py`). Load average of this 2-core machine: "
+        f"{load[0]:.1f} at the start, {load[1]:.1f} at the end.",
+        "",
+        "| path | sketch ms | estimate ms | both ms |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, (sketch, estimate, both) in ms.items():
+        lines.append(f"| {name} | {sketch:.1f} | {estimate:.1f} | {both:.1f} |")
+    lines += ["", f"Torch operations over the C kernels: **{ratio:.1f}x**."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--numel", type=int, default=8_403_978)
+    parser.add_argument("--rows", type=int, default=5)
+    parser.add_argument("--columns", type=int, default=136_000)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--smoke", action="store_true", help="100,000 entries, 2 rounds")
+    parser.add_argument("--out", default=os.path.join(ROOT, "docs", "performance.md"))
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.numel, args.columns, args.rounds = 100_000, 2_000, 2
+    torch.set_num_threads(1)
+    if native.library() is None:
+        raise SystemExit("the C kernels are unavailable (HVD_SCALECOM_NATIVE=0 or no compiler)")
+    load = [os.getloadavg()[0]]
+    ms, ratio = measure(args.numel, args.rows, args.columns, args.rounds)
+    load.append(os.getloadavg()[0])
+    for name, (sketch, estimate, both) in ms.items():
+        print(f"{name:18s} sketch {sketch:8.1f} ms  estimate {estimate:8.1f} ms  both {both:8.1f} ms")
     print(f"torch operations / C kernels (sketch + estimate, per round): {ratio:.1f}x")
+    command = "python -m benchmarks.sketch_kernels" + (" --smoke" if args.smoke else "")
+    replace_section(args.out, "sketch", markdown(args, ms, ratio, command, load))
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

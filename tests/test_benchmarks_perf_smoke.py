@@ -27,3 +27,11 @@ def test_slow_link_smoke(tmp_path):
     text = out.read_text()
     assert "kept" in text and "<!-- slow_link:begin -->" in text
     assert "| 1gbit | 2 | ScaleCom 0.01 |" in text
+
+
+def test_sketch_kernels_smoke(tmp_path):
+    out = tmp_path / "performance.md"
+    run_smoke("benchmarks.sketch_kernels", out, timeout=300)
+    text = out.read_text()
+    assert "<!-- sketch:begin -->" in text and "## Count sketch" in text
+    assert "| C kernels |" in text and "| torch operations |" in text

@@ -98,7 +98,7 @@ def test_soak_rejects_bad_arguments():
 
 def test_run_all_list():
     out = run_module("benchmarks.run_all", "--list", timeout=120)
-    for name in ("kernels", "slow_link", "scalecom_options", "convergence", "soak"):
+    for name in ("kernels", "sketch_kernels", "slow_link", "scalecom_options", "convergence", "soak"):
         assert f"-m benchmarks.{name}" in out
     only = run_module("benchmarks.run_all", "--list", "--only", "soak", "kernels", timeout=120)
     assert [line.split()[0] for line in only.splitlines() if line.strip()] == ["kernels", "soak"]
