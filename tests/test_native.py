@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from scalar_kernels import rerun_with_scalar_kernels
 
 from hvd_scalecom import native
 from hvd_scalecom.torch import clt_k
@@ -308,3 +309,8 @@ def test_a_missing_compiler_warns_and_falls_back_to_torch_operations(tmp_path):
             "assert clt_k.take_checking(torch.zeros(4), torch.ones(4), torch.tensor([1]))[1].item() == 1.0")
     env = {**os.environ, "HVD_SCALECOM_CACHE": str(tmp_path), "CC": "no-such-compiler", "PATH": str(tmp_path)}
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
+
+
+def test_the_scalar_build_gives_the_same_results(tmp_path):
+    """This file again, with the kernels built without AVX-512."""
+    rerun_with_scalar_kernels(__file__, tmp_path)

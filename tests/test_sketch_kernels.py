@@ -4,18 +4,14 @@ included), for any length (vector bodies and tails), row count (odd and even), b
 count (many collisions or many empty cells); and the same again from the build without AVX-512."""
 
 import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
+from scalar_kernels import SCALAR_BUILD, rerun_with_scalar_kernels
 
 from hvd_scalecom import native
 from hvd_scalecom.torch import sketch as sketch_module
 from hvd_scalecom.torch.sketch import CountSketch
-
-LANES_VARIABLE = "HVD_SCALECOM_TEST_SKETCH_LANES"  # set by the scalar-build test for its run of this file
 
 
 def bits(t):
@@ -50,7 +46,7 @@ def test_the_kernels_apply_to_contiguous_fp32_cpu_tensors():
     assert lib is not None
     with open("/proc/cpuinfo") as f:
         avx512 = " avx512f " in f.read()
-    assert lib.hsc_sketch_lanes() == int(os.environ.get(LANES_VARIABLE, 16 if avx512 else 1))
+    assert lib.hsc_sketch_lanes() == (1 if os.environ.get(SCALAR_BUILD) or not avx512 else 16)
     assert sketch_module._native_library(torch.zeros(4)) is lib
     assert sketch_module._native_library(torch.zeros(4, dtype=torch.float64)) is None
     assert sketch_module._native_library(torch.zeros(4, 4).t()) is None
@@ -158,17 +154,5 @@ def test_the_kernels_decline_more_than_2_to_the_30_coordinates():
 
 
 def test_the_scalar_build_gives_the_same_floats(tmp_path):
-    """This file again, with the kernels built without AVX-512 (a compiler wrapper adding
-    -mno-avx512f, into an empty cache): the scalar code paths against the torch operations."""
-    if os.environ.get(LANES_VARIABLE):
-        pytest.skip("already the scalar build")
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    wrapper = tmp_path / "cc-no-avx512"
-    wrapper.write_text(f'#!/bin/sh\nexec "{compiler}" "$@" -mno-avx512f\n')
-    wrapper.chmod(0o755)
-    env = {**os.environ, "CC": str(wrapper), "HVD_SCALECOM_CACHE": str(tmp_path / "cache"), LANES_VARIABLE: "1"}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout and " failed" not in done.stdout
-    assert len(list((tmp_path / "cache").glob("scalecom_kernels_*.so"))) == 1
+    """This file again, with the kernels built without AVX-512."""
+    rerun_with_scalar_kernels(__file__, tmp_path)
