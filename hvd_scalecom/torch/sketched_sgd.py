@@ -173,7 +173,8 @@ class SketchedSGD(Compressor):
         begin = self._offset[i]
         part = r.update[begin:begin + shape.numel()]
         scale = float(tensor.reshape(-1)[0])  # the reduced probe: 1 for Average, n for Sum
-        out = (part * scale if scale != 1.0 else part).to(dtype, copy=True).view(shape)
+        # the gradient is this tensor's slice of the step's update (no copy; a new update every step)
+        out = (part * scale if scale != 1.0 else part).to(dtype).view(shape)
         r.decompressed += 1
         if r.decompressed == len(r.compressed):
             self._round = None

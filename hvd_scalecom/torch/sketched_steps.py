@@ -18,6 +18,8 @@ No Horovod import, so these serve the simulator too.
 
 import torch
 
+from hvd_scalecom.torch import clt_k
+
 
 def accumulate_(u, v, g, rho):
     """Step 1 in place: ``u <- rho u + g``, ``v <- v + u`` (``g`` of ``u``'s shape or flat-compatible)."""
@@ -29,10 +31,12 @@ def heavy_candidates(sketch, table, count):
     """Step 3: int64 indices of the ``count`` largest ``|estimate|`` of the summed sketch ``table``.
 
     Every rank holds the same reduced table, so every rank finds the same candidates without sending
-    any index (ties are broken by ``torch.topk``, deterministically for identical input).
+    any index. They are ScaleCom's exact top-k (:func:`hvd_scalecom.torch.clt_k.select_top_k`,
+    ``"threshold"``: on the CPU a C pass some 40x faster than ``torch.topk`` on 8.4M entries; ties
+    at the count-th magnitude are broken the same way for identical input).
     """
     estimate = sketch.estimate(table)
-    return torch.topk(estimate.abs(), min(sketch.numel, count), sorted=False).indices
+    return clt_k.select_top_k(estimate, min(sketch.numel, count), "threshold")
 
 
 def select_applied(candidates, exact, k):
