@@ -88,7 +88,7 @@ def measure(numel, ratio, rounds, with_exact=True):
         ``may_advance``; ``m`` and ``g`` are restored before every call, whichever buffer is which)."""
         indices = received.to(torch.int64)
         if not in_place and clt_k.may_advance(m, g):
-            memory_at, values, finite = clt_k.take_advancing_(m, g, indices, BETA, marks)
+            values, finite = clt_k.take_advancing_(m, g, indices, BETA, marks)
             return clt_k.filter_and_scatter_advanced(m, g, indices, values, values, values, BETA, marks)
         memory_at, values, finite = clt_k.take_checking(m, g, indices)
         return clt_k.filter_and_scatter_(m, g, indices, values, memory_at, values, values, BETA)

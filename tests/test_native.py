@@ -80,12 +80,12 @@ def test_non_leader_steps_in_any_order_and_with_tails(order, tail):
 
 def advance_both_steps(memory, grad, indices, reduced_of, sent_dtype=None, marks=None):
     """take_advancing_, then filter_and_scatter_advanced, as the compressor calls them on a rank that
-    did not select: returns (m[I], p[I], finite, gradient, memory, updated)."""
-    memory_at, values, finite = clt_k.take_advancing_(memory, grad, indices, BETA, marks)
+    did not select: returns (p[I], finite, gradient, memory, updated)."""
+    values, finite = clt_k.take_advancing_(memory, grad, indices, BETA, marks)
     sent = values if sent_dtype is None else values.to(sent_dtype)
     out, new_memory, updated = clt_k.filter_and_scatter_advanced(memory, grad, indices, reduced_of(values), values,
                                                                  sent, BETA, marks)
-    return memory_at, values, finite, out, new_memory, updated
+    return values, finite, out, new_memory, updated
 
 
 @pytest.mark.parametrize("order", ["ascending", "shuffled"])
@@ -102,13 +102,13 @@ def test_advancing_pass_equals_the_in_place_passes_with_the_buffers_traded(order
     if order == "shuffled":
         indices = indices[torch.randperm(indices.numel(), generator=torch.Generator().manual_seed(10))]
     reduced = torch.randn(indices.numel(), generator=torch.Generator().manual_seed(9))
-    new, new_grad, kept, values = reference(memory, grad, indices, reduced)
+    new, new_grad, _, values = reference(memory, grad, indices, reduced)
     memory_buffer, grad_buffer = memory.data_ptr(), grad.data_ptr()
     marks = clt_k.Marks(numel) if marks == "kept" else None
-    at, taken, finite, out, new_memory, updated = advance_both_steps(memory, grad, indices, lambda v: reduced,
-                                                                     marks=marks)
+    taken, finite, out, new_memory, updated = advance_both_steps(memory, grad, indices, lambda v: reduced,
+                                                                 marks=marks)
     assert finite and updated
-    assert torch.equal(at, kept) and torch.equal(taken, values)
+    assert torch.equal(taken, values)
     assert torch.equal(new_memory, new) and torch.equal(out, new_grad)
     assert new_memory.data_ptr() == grad_buffer and out.data_ptr() == memory_buffer  # traded, not copied
 
@@ -139,7 +139,7 @@ def test_advancing_a_non_finite_step_keeps_the_memory_and_its_buffer(where):
         grad[777] = float("inf")
     reduced = torch.tensor([1.0, float("nan") if where == "reduction" else 4.0, 2.0])
     memory_buffer, grad_buffer = memory.data_ptr(), grad.data_ptr()
-    _, _, finite, out, new_memory, updated = advance_both_steps(memory, grad, indices, lambda v: reduced)
+    _, finite, out, new_memory, updated = advance_both_steps(memory, grad, indices, lambda v: reduced)
     assert finite == (where == "reduction")
     assert not updated if where == "reduction" else updated
     if where == "reduction":

@@ -117,7 +117,7 @@ def _declare(lib):
     lib.hsc_mark.restype = i32
     lib.hsc_mark.argtypes = [ptr, i64, i64, ptr]
     lib.hsc_take_advancing.restype = i32
-    lib.hsc_take_advancing.argtypes = [ptr, ptr, i64, f32, f32, ptr, ptr, ptr]
+    lib.hsc_take_advancing.argtypes = [ptr, ptr, i64, f32, f32, ptr, ptr]
     lib.hsc_scatter_marked.restype = None
     lib.hsc_scatter_marked.argtypes = [ptr, i64, ptr, ptr]
     lib.hsc_all_finite.restype = i32

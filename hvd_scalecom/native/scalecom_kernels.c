@@ -328,11 +328,12 @@ static uint64_t marks64(const uint16_t *bits, int64_t i) {
 
 /* Steps 3-4 on a non-leader in one pass that writes the new memory over g, for a caller that adopts
  * g's buffer as the memory if the reduction is finite (and otherwise keeps m, which is only read):
- *   m_at = m[I], p_at = m[I] + g[I] (in index order), whether every g is finite (returned, 1 or 0),
+ *   p_at = m[I] + g[I] (in index order), whether every g is finite (returned, 1 or 0),
  *   g = m + beta g off I (fmaf) and keep m at I (keep = 1 - beta: p - v = 0 for fp32 values).
- * One read of m and g and one write of g, in place: the floor's traffic. bits from hsc_mark. */
+ * One read of m and g and one write of g, in place: the floor's traffic. bits from hsc_mark. (m[I]
+ * is not taken: the memory at I is written here, and no later step needs it.) */
 int hsc_take_advancing(const float *restrict m, float *restrict g, int64_t n, float beta, float keep,
-                       const uint16_t *restrict bits, float *restrict m_at, float *restrict p_at) {
+                       const uint16_t *restrict bits, float *restrict p_at) {
     int64_t i = 0, j = 0;
     int finite = 1;
 #ifdef __AVX512F__
@@ -348,7 +349,6 @@ int hsc_take_advancing(const float *restrict m, float *restrict g, int64_t n, fl
                 const __mmask16 at = (__mmask16)(word >> q);
                 const int c = __builtin_popcount(at);
                 t = _mm512_mask_mul_ps(t, at, vkeep, vm);
-                _mm512_mask_storeu_ps(m_at + j, (__mmask16)((1u << c) - 1), _mm512_maskz_compress_ps(at, vm));
                 _mm512_mask_storeu_ps(p_at + j, (__mmask16)((1u << c) - 1),
                                       _mm512_maskz_compress_ps(at, _mm512_add_ps(vm, vg)));
                 j += c;
@@ -362,7 +362,6 @@ int hsc_take_advancing(const float *restrict m, float *restrict g, int64_t n, fl
         const float mi = m[i], gi = g[i];
         finite &= fabsf(gi) <= FLT_MAX;
         if ((bits[i >> 4] >> (i & 15)) & 1) {
-            m_at[j] = mi;
             p_at[j++] = mi + gi;
             g[i] = keep * mi;
         } else {

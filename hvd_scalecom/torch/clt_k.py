@@ -367,8 +367,8 @@ def may_advance(memory, grad):
 
 def take_advancing_(memory, grad, indices, beta, marks=None):
     """Steps 3-4 on a rank whose gradient buffer is free to reuse (see :func:`may_advance`): returns
-    ``(m[I], p[I], finite)`` like :func:`take_checking` and writes over ``grad`` the memory that step 4
-    gives if the reduction is finite (``m + beta g`` off I, ``(1 - beta) m[I]`` on I), leaving
+    ``(p[I], finite)`` as :func:`take_checking` does (``m[I]`` is not needed: the memory on I is
+    written here) and writes over ``grad`` the memory that step 4 gives if the reduction is finite (``m + beta g`` off I, ``(1 - beta) m[I]`` on I), leaving
     ``memory`` as it was. One pass in C that reads m and g and writes g in place, where
     ``take_checking`` + :func:`filter_and_scatter_` read g three times and write both. Returns None,
     having written nothing, where an index repeats. Finish with :func:`filter_and_scatter_advanced`,
@@ -379,15 +379,13 @@ def take_advancing_(memory, grad, indices, beta, marks=None):
     marks = _mark(indices, flat.numel(), marks)
     if marks is None:
         return None
-    k = indices.numel()
-    memory_at_indices, values = torch.empty(k), torch.empty(k)
+    values = torch.empty(indices.numel())
     finite = native.library().hsc_take_advancing(memory.data_ptr(), flat.data_ptr(), flat.numel(),
                                                  ctypes.c_float(beta), ctypes.c_float(1.0 - beta),
-                                                 marks.bits.data_ptr(), memory_at_indices.data_ptr(), values.data_ptr())
+                                                 marks.bits.data_ptr(), values.data_ptr())
     if marks.order is not None:  # taken in ascending index order: back to the order of indices
-        memory_at_indices = torch.empty_like(memory_at_indices).index_copy_(0, marks.order, memory_at_indices)
         values = torch.empty_like(values).index_copy_(0, marks.order, values)
-    return memory_at_indices, values, bool(finite)
+    return values, bool(finite)
 
 
 def filter_and_scatter_advanced(memory, grad, indices, reduced, values, sent, beta, marks=None):

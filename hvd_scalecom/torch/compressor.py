@@ -196,8 +196,9 @@ class ScaleCom(Compressor):
         if taken is None and clt_k.may_advance(slot.memory, tensor):
             if slot.marks is None:
                 slot.marks = clt_k.Marks(numel)  # one bit per entry: 1/32 of the memory's size
-            taken = clt_k.take_advancing_(slot.memory, tensor, indices, self.config.beta, slot.marks)
-            advanced = taken is not None
+            advancing = clt_k.take_advancing_(slot.memory, tensor, indices, self.config.beta, slot.marks)
+            if advancing is not None:
+                taken, advanced = (None, *advancing), True  # m_i[I] is not needed: its update is written
         if taken is None:
             taken = clt_k.take_checking(slot.memory, tensor, indices)
         memory_at_indices, exact_values, finite = taken  # m_i[I], p_i[I]
