@@ -63,9 +63,9 @@ def select_top_k(p, k, selection="exact"):
     If fewer than k entries reach ``t`` (or ``t`` is 0, e.g. mostly zeros), it falls back to
     ``"exact"``, so the result is always an exact top-k. Ratios above 1/16 and small tensors (below
     65,536 entries with torch operations, 1,024 in C) use ``"exact"`` directly. NaN entries are
-    never selected by ``"threshold"`` (``torch.topk`` ranks them first). On contiguous fp32 CPU tensors steps 2-3 are one read-only pass in C that collects
-    the candidates in index order (the k returned ascending; ties at the k-th magnitude go to the
-    lowest indices).
+    never selected by ``"threshold"`` (``torch.topk`` ranks them first). On contiguous fp32 CPU
+    tensors steps 2-3 are one read-only pass in C that collects the candidates in index order (the
+    k returned ascending; ties at the k-th magnitude go to the lowest indices).
     """
     numel = p.numel()
     if selection not in ("exact", "threshold"):
@@ -128,7 +128,7 @@ def _native_select_of_sum(memory, grad, k, selection):
 
 
 _THRESHOLD_MIN_NUMEL = 1 << 16  # torch operations: below this, torch.topk is about as fast
-_NATIVE_THRESHOLD_MIN_NUMEL = 1 << 10  # the C selection: 1.2-5x faster than torch.topk from 4096 entries
+_NATIVE_THRESHOLD_MIN_NUMEL = 1 << 10  # the C selection: faster than torch.topk from a few thousand entries
 _GRID_ROWS = 8  # rows of the column pre-filter: a column reaches t with probability ~8x an entry's
 
 
@@ -368,8 +368,8 @@ def may_advance(memory, grad):
 def take_advancing_(memory, grad, indices, beta, marks=None):
     """Steps 3-4 on a rank whose gradient buffer is free to reuse (see :func:`may_advance`): returns
     ``(p[I], finite)`` as :func:`take_checking` does (``m[I]`` is not needed: the memory on I is
-    written here) and writes over ``grad`` the memory that step 4 gives if the reduction is finite (``m + beta g`` off I, ``(1 - beta) m[I]`` on I), leaving
-    ``memory`` as it was. One pass in C that reads m and g and writes g in place, where
+    written here) and writes over ``grad`` the memory that step 4 gives if the reduction is finite
+    (``m + beta g`` off I, ``(1 - beta) m[I]`` on I), leaving ``memory`` as it was. One pass in C that reads m and g and writes g in place, where
     ``take_checking`` + :func:`filter_and_scatter_` read g three times and write both. Returns None,
     having written nothing, where an index repeats. Finish with :func:`filter_and_scatter_advanced`,
     given the same ``marks`` (a :class:`Marks` of the tensor's size, to keep I's bitmap in between;
