@@ -70,15 +70,19 @@ optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_par
                                      compression=compression)
 
 current_step = [-1]
-select_top_k = clt_k.select_top_k
 
 
-def recording_select_top_k(p, k, selection):
-    log("select", step=current_step[0], numel=p.numel())
-    return select_top_k(p, k, selection)
+def recording(select):
+    """``select`` (a clt_k selection on (memory, gradient, ...)), logging that this rank selected."""
+    def recorded(memory, grad, *args, **kwargs):
+        log("select", step=current_step[0], numel=memory.numel())
+        return select(memory, grad, *args, **kwargs)
+    return recorded
 
 
-clt_k.select_top_k = recording_select_top_k  # the compressor calls clt_k.select_top_k
+# the compressor's two ways to select: in the step (select_and_take), or a step ahead (pipelined)
+clt_k.select_and_take = recording(clt_k.select_and_take)
+clt_k.select_top_k_of_sum = recording(clt_k.select_top_k_of_sum)
 check_agreement = compressor.check_agreement
 resync = ScaleCom.resync
 
