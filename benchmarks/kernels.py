@@ -86,10 +86,10 @@ def measure(numel, ratio, rounds, with_exact=True):
     def non_leader(received=received, in_place=False):
         """As ScaleCom does on a rank that did not select (the buffers of m and g traded where
         ``may_advance``; ``m`` and ``g`` are restored before every call, whichever buffer is which)."""
+        if not in_place and clt_k.may_advance(m, g):  # the int32 indices as received
+            values, finite = clt_k.take_advancing_(m, g, received, BETA, marks)
+            return clt_k.filter_and_scatter_advanced(m, g, received, values, values, values, BETA, marks)
         indices = received.to(torch.int64)
-        if not in_place and clt_k.may_advance(m, g):
-            values, finite = clt_k.take_advancing_(m, g, indices, BETA, marks)
-            return clt_k.filter_and_scatter_advanced(m, g, indices, values, values, values, BETA, marks)
         memory_at, values, finite = clt_k.take_checking(m, g, indices)
         return clt_k.filter_and_scatter_(m, g, indices, values, memory_at, values, values, BETA)
 

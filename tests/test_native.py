@@ -92,7 +92,8 @@ def advance_both_steps(memory, grad, indices, reduced_of, sent_dtype=None, marks
 @pytest.mark.parametrize("tail", [0, 5, 15, 63])
 @pytest.mark.parametrize("ratio", [0.01, 0.3])
 @pytest.mark.parametrize("marks", ["kept", "rebuilt"])
-def test_advancing_pass_equals_the_in_place_passes_with_the_buffers_traded(order, tail, ratio, marks):
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])  # int32: as broadcast
+def test_advancing_pass_equals_the_in_place_passes_with_the_buffers_traded(order, tail, ratio, marks, index_dtype):
     numel = 300_032 + tail  # a whole number of 64-entry words, then the tail
     memory, grad = inputs(numel, seed=7)
     k = int(ratio * numel)
@@ -105,8 +106,8 @@ def test_advancing_pass_equals_the_in_place_passes_with_the_buffers_traded(order
     new, new_grad, _, values = reference(memory, grad, indices, reduced)
     memory_buffer, grad_buffer = memory.data_ptr(), grad.data_ptr()
     marks = clt_k.Marks(numel) if marks == "kept" else None
-    taken, finite, out, new_memory, updated = advance_both_steps(memory, grad, indices, lambda v: reduced,
-                                                                 marks=marks)
+    taken, finite, out, new_memory, updated = advance_both_steps(memory, grad, indices.to(index_dtype),
+                                                                 lambda v: reduced, marks=marks)
     assert finite and updated
     assert torch.equal(taken, values)
     assert torch.equal(new_memory, new) and torch.equal(out, new_grad)
@@ -153,10 +154,11 @@ def test_advancing_a_non_finite_step_keeps_the_memory_and_its_buffer(where):
 def test_advancing_declines_repeated_indices_and_rejects_out_of_range_ones_before_writing():
     memory, grad = inputs(10_000)
     grad_before = grad.clone()
-    assert clt_k.take_advancing_(memory, grad, torch.tensor([4, 9, 4]), BETA) is None
-    for bad in ([5, 10_000], [9, 4, -1]):
-        with pytest.raises(IndexError, match=r"indices must lie in \[0, 10000\)"):
-            clt_k.take_advancing_(memory, grad, torch.tensor(bad), BETA)
+    for dtype in (torch.int64, torch.int32):
+        assert clt_k.take_advancing_(memory, grad, torch.tensor([4, 9, 4], dtype=dtype), BETA) is None
+        for bad in ([5, 10_000], [9, 4, -1], [-3, 7]):
+            with pytest.raises(IndexError, match=r"indices must lie in \[0, 10000\)"):
+                clt_k.take_advancing_(memory, grad, torch.tensor(bad, dtype=dtype), BETA)
     assert torch.equal(grad, grad_before)
 
 

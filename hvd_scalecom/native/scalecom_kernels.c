@@ -303,18 +303,25 @@ int hsc_filter_scatter(float *restrict m, float *restrict g, int64_t n, float be
     return update;
 }
 
-/* I (idx ascending, in [0, n)) as n bits: bit i % 16 of bits[i / 16] is set iff i is in I, so that the
- * passes below go by whole 16-entry vectors with no branch or loop per index. Returns 0; -1 if an
- * index is out of [0, n), -2 if the indices are not strictly ascending (bits then hold no set). */
-int hsc_mark(const int64_t *restrict idx, int64_t k, int64_t n, uint16_t *restrict bits) {
+/* I (ascending, in [0, n); int64 indices if wide, else int32, as they are broadcast) as n bits: bit
+ * i % 16 of bits[i / 16] is set iff i is in I, so that the passes below go by whole 16-entry vectors
+ * with no branch or loop per index. Returns 0; -1 if an index is out of [0, n), -2 if the indices are
+ * not strictly ascending (bits then hold no set). */
+static inline __attribute__((always_inline)) int mark(const void *restrict idx, int wide, int64_t k, int64_t n,
+                                                      uint16_t *restrict bits) {
     memset(bits, 0, (size_t)((n + 15) / 16) * sizeof *bits);
+    int64_t previous = -1;
     for (int64_t j = 0; j < k; j++) {
-        const int64_t i = idx[j];
-        if (i < 0 || i >= n) return -1;
-        if (j > 0 && i <= idx[j - 1]) return -2;
+        const int64_t i = wide ? ((const int64_t *)idx)[j] : ((const int32_t *)idx)[j];
+        if (i <= previous || i >= n) return i < 0 || i >= n ? -1 : -2;
+        previous = i;
         bits[i >> 4] |= (uint16_t)(1u << (i & 15));
     }
     return 0;
+}
+
+int hsc_mark(const void *restrict idx, int wide, int64_t k, int64_t n, uint16_t *restrict bits) {
+    return wide ? mark(idx, 1, k, n, bits) : mark(idx, 0, k, n, bits);  /* a loop for each width */
 }
 
 /* The next 64 bits of I's bitmap (bits of entries i .. i + 63, i a multiple of 64). The passes

@@ -375,7 +375,7 @@ def take_advancing_(memory, grad, indices, beta, marks=None):
     given the same ``marks`` (a :class:`Marks` of the tensor's size, to keep I's bitmap in between;
     by default a shared one, rebuilt there)."""
     flat = grad if grad.ndim == 1 else grad.view(-1)
-    indices = _flat(indices, torch.int64).contiguous()
+    indices = _marked_dtype(indices)
     marks = _mark(indices, flat.numel(), marks)
     if marks is None:
         return None
@@ -396,7 +396,7 @@ def filter_and_scatter_advanced(memory, grad, indices, reduced, values, sent, be
     stores on large tensors). ``values``, ``sent`` as for :func:`filter_and_scatter_`; ``marks`` as given to
     ``take_advancing_`` (None: I's bitmap is rebuilt)."""
     flat = grad if grad.ndim == 1 else grad.view(-1)
-    indices = _flat(indices, torch.int64).contiguous()
+    indices = _marked_dtype(indices)
     reduced = _flat(reduced, flat.dtype).contiguous()
     updated = all_finite(reduced)
     if updated:
@@ -415,6 +415,15 @@ def filter_and_scatter_advanced(memory, grad, indices, reduced, values, sent, be
     return out, memory, updated
 
 
+def _marked_dtype(indices):
+    """Flat contiguous indices as :func:`_mark` takes them: int32 (as broadcast) or int64 kept as they
+    are, other integer dtypes as int64."""
+    indices = _flat(indices)
+    if indices.dtype is not torch.int32:
+        indices = _flat(indices, torch.int64)
+    return indices.contiguous()
+
+
 class Marks:
     """A set of indices I of a tensor of ``numel`` entries as the C kernels' bitmap (``bits``, one bit
     per entry), with ``order``, the argsort that made the indices ascending (None if they were)."""
@@ -429,8 +438,8 @@ _shared_marks = Marks(0)
 
 
 def _mark(indices, numel, marks=None):
-    """``marks`` (default: a shared buffer, grown as needed) holding ``indices`` (flat, int64, CPU),
-    or None where an index repeats; IndexError where one is out of range."""
+    """``marks`` (default: a shared buffer, grown as needed) holding ``indices`` (flat, contiguous,
+    int32 or int64, CPU), or None where an index repeats; IndexError where one is out of range."""
     global _shared_marks
     if marks is None:
         if _shared_marks.numel < numel:
@@ -440,11 +449,12 @@ def _mark(indices, numel, marks=None):
         raise ValueError(f"marks are for {marks.numel} entries, the tensor has {numel}")
     lib = native.library()
     marks.order = None
-    status = lib.hsc_mark(indices.data_ptr(), indices.numel(), numel, marks.bits.data_ptr())
+    wide = int(indices.dtype is torch.int64)
+    status = lib.hsc_mark(indices.data_ptr(), wide, indices.numel(), numel, marks.bits.data_ptr())
     if status == -2:
         marks.order = indices.argsort()
         ascending = indices[marks.order]
-        status = lib.hsc_mark(ascending.data_ptr(), indices.numel(), numel, marks.bits.data_ptr())
+        status = lib.hsc_mark(ascending.data_ptr(), wide, indices.numel(), numel, marks.bits.data_ptr())
     if status == -1:
         raise IndexError(_out_of_range(indices, numel))
     return None if status == -2 else marks
@@ -453,6 +463,7 @@ def _mark(indices, numel, marks=None):
 def _keep_rounding_error_(memory, indices, values, sent, beta):
     """``memory[I] += beta (p[I] - sent)``: the values' rounding to a narrower dtype (e.g. fp16) stays
     in the memory (step 4 on I, after ``memory[I] = (1 - beta) m[I]``)."""
+    indices = _flat(indices, torch.int64)
     at = memory.index_select(0, indices)
     at.add_(values - sent.to(values.dtype), alpha=beta)
     memory.index_copy_(0, indices, at)

@@ -191,14 +191,16 @@ class ScaleCom(Compressor):
         waited = time.perf_counter() - wait_from
         if self.config.pipelined and self.config.is_compressed(numel, t + 1):
             self._select_ahead(slot, tensor, t + 1, rank, size)
-        indices = indices.to(torch.int64)
         advanced = False  # the gradient's buffer now holds the memory to adopt if the step is finite
         if taken is None and clt_k.may_advance(slot.memory, tensor):
             if slot.marks is None:
                 slot.marks = clt_k.Marks(numel)  # one bit per entry: 1/32 of the memory's size
+            # the indices as received (int32 by default): the bitmap is made from them directly
             advancing = clt_k.take_advancing_(slot.memory, tensor, indices, self.config.beta, slot.marks)
             if advancing is not None:
                 taken, advanced = (None, *advancing), True  # m_i[I] is not needed: its update is written
+        if not advanced:
+            indices = indices.to(torch.int64)
         if taken is None:
             taken = clt_k.take_checking(slot.memory, tensor, indices)
         memory_at_indices, exact_values, finite = taken  # m_i[I], p_i[I]
