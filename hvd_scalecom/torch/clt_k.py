@@ -138,10 +138,17 @@ def _thresholded(numel, k, native):
     return numel >= (_NATIVE_THRESHOLD_MIN_NUMEL if native else _THRESHOLD_MIN_NUMEL) and k * 16 <= numel
 
 
+def kernels_for(*tensors):
+    """The C kernels (:func:`hvd_scalecom.native.library`) if they can take ``tensors`` (contiguous
+    fp32 CPU tensors), else None."""
+    lib = native.library()
+    if lib is None or not all(t.is_cpu and t.dtype is torch.float32 and t.is_contiguous() for t in tensors):
+        return None
+    return lib
+
+
 def _native_applies(*tensors):
-    """The C kernels take contiguous fp32 CPU tensors (when they could be built)."""
-    return native.library() is not None and all(
-        t.is_cpu and t.dtype is torch.float32 and t.is_contiguous() for t in tensors)
+    return kernels_for(*tensors) is not None
 
 
 def _flat(tensor, dtype=None):

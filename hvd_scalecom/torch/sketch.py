@@ -39,7 +39,7 @@ element ``torch.median`` picks, NaN included (``tests/test_sketch_kernels.py``).
 
 import torch
 
-from hvd_scalecom import native
+from hvd_scalecom.torch import clt_k
 
 PRIME = 2**31 - 1                     # p of the hash family
 LIMB_BITS = 30                        # x = x_0 + 2**30 x_1, both limbs < p
@@ -53,11 +53,7 @@ _MASK32 = 2**32 - 1
 def _native_library(*tensors):
     """The C kernels where they apply to ``tensors`` (contiguous fp32 CPU tensors outside autograd),
     else None."""
-    lib = native.library()
-    if lib is None or not all(t.is_cpu and t.dtype is torch.float32 and t.is_contiguous() and not t.requires_grad
-                              for t in tensors):
-        return None
-    return lib
+    return None if any(t.requires_grad for t in tensors) else clt_k.kernels_for(*tensors)
 
 
 def mix32_(h):
