@@ -224,7 +224,7 @@ def test_the_radix_selection_of_the_k_th_magnitude_is_exact(case):
 
 
 @pytest.mark.parametrize("where", [0, 17, 99_999])
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_a_non_finite_gradient_is_reported(where, bad):
     memory, grad = inputs(100_000, seed=4)
     grad[where] = bad

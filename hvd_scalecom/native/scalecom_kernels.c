@@ -75,17 +75,29 @@ static float kth_largest(float *x, int64_t n, int64_t r) {
         lo = u < lo ? u : lo;
         hi = u > hi ? u : hi;
     }
-    int64_t count[BUCKETS];
+    uint32_t count[BUCKETS];
     while (lo < hi) {
         int shift = 0;
         while (((hi - lo) >> shift) >= BUCKETS) shift++;
-        memset(count, 0, sizeof count);
+        memset(count, 0, (((hi - lo) >> shift) + 1) * sizeof *count);
         for (int64_t i = 0; i < n; i++) count[(float_bits(x[i]) - lo) >> shift]++;
         uint32_t bucket = (hi - lo) >> shift;
         int64_t above = 0;
         while (above + count[bucket] < r) above += count[bucket--];
-        int64_t kept = 0;
-        for (int64_t i = 0; i < n; i++) {
+        int64_t kept = 0, i = 0;
+#ifdef __AVX512F__
+        /* By whole vectors, compressed into place: x + kept + 16 <= x + i + 16 holds only entries
+         * already read. */
+        const __m512i vlo = _mm512_set1_epi32((int)lo), vshift = _mm512_set1_epi32(shift),
+                      vbucket = _mm512_set1_epi32((int)bucket);
+        for (; i + 16 <= n; i += 16) {
+            const __m512i u = _mm512_loadu_si512((const void *)(x + i));
+            const __mmask16 in = _mm512_cmpeq_epi32_mask(_mm512_srlv_epi32(_mm512_sub_epi32(u, vlo), vshift), vbucket);
+            _mm512_storeu_si512((void *)(x + kept), _mm512_maskz_compress_epi32(in, u));
+            kept += __builtin_popcount(in);
+        }
+#endif
+        for (; i < n; i++) {
             const float v = x[i];
             x[kept] = v;
             kept += ((float_bits(v) - lo) >> shift) == bucket;
@@ -131,7 +143,8 @@ int64_t hsc_select(const float *restrict a, const float *restrict b, int64_t n, 
     int finite = 1;
 #ifdef __AVX512F__
     const __m512 vt = _mm512_set1_ps(t);
-    __mmask16 bad = 0;
+    __m512i widest = _mm512_setzero_si512();  /* the largest |x| bit pattern of the checked entries */
+    const __m512i abs_bits = _mm512_set1_epi32(0x7fffffff);
     /* By blocks of SCAN_BLOCK entries: every vector is compared (no branch), then only the vectors
      * with candidates are visited again, from L1, to keep them: one unpredictable loop exit per
      * block instead of a branch per vector that candidates make hard to predict. */
@@ -141,7 +154,7 @@ int64_t hsc_select(const float *restrict a, const float *restrict b, int64_t n, 
         for (int v = 0; v < SCAN_BLOCK / 16; v++) {
             const __m512 va = _mm512_loadu_ps(a + i + 16 * v);
             const __m512 vb = b ? _mm512_loadu_ps(b + i + 16 * v) : _mm512_setzero_ps();
-            bad |= nonfinite_lanes(b ? vb : va);
+            widest = _mm512_max_epu32(widest, _mm512_and_si512(_mm512_castps_si512(b ? vb : va), abs_bits));
             hits[v] = _mm512_cmp_ps_mask(magnitude(va, vb), vt, _CMP_GE_OQ);
             any |= (uint32_t)(hits[v] != 0) << v;
         }
@@ -154,12 +167,12 @@ int64_t hsc_select(const float *restrict a, const float *restrict b, int64_t n, 
     for (; i + 16 <= n; i += 16) {
         const __m512 va = _mm512_loadu_ps(a + i);
         const __m512 vb = b ? _mm512_loadu_ps(b + i) : _mm512_setzero_ps();
-        bad |= nonfinite_lanes(b ? vb : va);
+        widest = _mm512_max_epu32(widest, _mm512_and_si512(_mm512_castps_si512(b ? vb : va), abs_bits));
         const __mmask16 hit = _mm512_cmp_ps_mask(magnitude(va, vb), vt, _CMP_GE_OQ);
         if (hit && c <= cap) keep_candidates(a, b, i, hit, c, cand_idx, cand_p, cand_a);
         c += __builtin_popcount(hit);
     }
-    finite &= bad == 0;
+    finite &= _mm512_reduce_max_epu32(widest) <= 0x7f7fffffu;  /* FLT_MAX's pattern */
 #endif
     for (; i < n; i++) {
         float ai = a[i], bi = b ? b[i] : 0.0f, mag = fabsf(b ? ai + bi : ai);

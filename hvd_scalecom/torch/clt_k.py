@@ -178,16 +178,31 @@ class _SelectBuffers:
         self.cap = 0
 
     def ensure(self, cap, sample_size):
+        """Grows the buffers if needed; returns ``(candidate indices, p, a, capacity, scratch)`` as
+        the C kernel takes them (pointers and the capacity)."""
         if cap > self.cap or sample_size > self.scratch.numel():
             self.cap = max(cap, self.cap)
             self.indices = torch.empty(self.cap + 16, dtype=torch.int64)  # + one vector of slack
             self.p = torch.empty(self.cap + 16)
             self.a = torch.empty(self.cap + 16)
             self.scratch = torch.empty(max(self.cap, sample_size))
-        return self
+            self.arguments = (self.indices.data_ptr(), self.p.data_ptr(), self.a.data_ptr(), self.cap,
+                              self.scratch.data_ptr())
+        return self.arguments
 
 
 _select_buffers = _SelectBuffers()
+
+
+@functools.lru_cache(maxsize=256)
+def _native_plan(numel, k):
+    """``(sample size, rank, sample positions, their pointer)`` of the C selection (see
+    :func:`_sample_plan`), or None where the rank would exceed the sample."""
+    size, rank = _sample_plan(numel, k)
+    if rank >= size:
+        return None
+    positions = _sample_positions(numel, size, torch.device("cpu"))
+    return size, rank, positions, positions.data_ptr()
 
 
 def _native_select(a, b, k):
@@ -195,25 +210,23 @@ def _native_select(a, b, k):
     ascending; ``|a|`` when b is None; ``finite``: every entry of b, else a, is), or None where the
     sampled threshold lets fewer than k entries through (the caller then runs a full top-k)."""
     numel = a.numel()
-    size, rank = _sample_plan(numel, k)
-    if rank >= size:
+    plan = _native_plan(numel, k)
+    if plan is None:
         return None
+    size, rank, _, positions = plan
     lib = native.library()
-    positions = _sample_positions(numel, size, torch.device("cpu"))
     indices = torch.empty(k, dtype=torch.int64)
     a_at, p_at = torch.empty(k), torch.empty(k)
     finite = ctypes.c_int(1)
     cap = 2 * k + 4096
     while True:
-        buffers = _select_buffers.ensure(cap, size)
-        got = lib.hsc_select(a.data_ptr(), None if b is None else b.data_ptr(), numel, k, positions.data_ptr(),
-                             size, rank, buffers.indices.data_ptr(), buffers.p.data_ptr(),
-                             buffers.a.data_ptr(), buffers.cap,
-                             buffers.scratch.data_ptr(), indices.data_ptr(), a_at.data_ptr(),
-                             p_at.data_ptr(), ctypes.byref(finite))
+        candidates = _select_buffers.ensure(cap, size)
+        got = lib.hsc_select(a.data_ptr(), None if b is None else b.data_ptr(), numel, k, positions, size, rank,
+                             *candidates, indices.data_ptr(), a_at.data_ptr(), p_at.data_ptr(),
+                             ctypes.byref(finite))
         if got != -2:
             break
-        cap = 2 * buffers.cap
+        cap = 2 * _select_buffers.cap
     return (indices, a_at, p_at, bool(finite.value)) if got == k else None
 
 
