@@ -120,7 +120,7 @@ def _select_of_sum(memory, grad, k, selection, scratch):
 
 def _native_select_of_sum(memory, grad, k, selection):
     """:func:`_native_select` of ``(m, g)`` where it applies, else None."""
-    grad = grad.reshape(-1)
+    grad = _flat(grad)
     numel = memory.numel()
     if selection == "threshold" and k < numel and _thresholded(numel, k, True) and _native_applies(memory, grad):
         return _native_select(memory, grad, k)
@@ -142,8 +142,11 @@ def kernels_for(*tensors):
     """The C kernels (:func:`hvd_scalecom.native.library`) if they can take ``tensors`` (contiguous
     fp32 CPU tensors), else None."""
     lib = native.library()
-    if lib is None or not all(t.is_cpu and t.dtype is torch.float32 and t.is_contiguous() for t in tensors):
+    if lib is None:
         return None
+    for t in tensors:
+        if not (t.is_cpu and t.dtype is torch.float32 and t.is_contiguous()):
+            return None
     return lib
 
 
@@ -162,13 +165,23 @@ def _flat(tensor, dtype=None):
 def _sample_plan(numel, k):
     """(sample size, rank): the threshold is the rank-th largest of ``size`` sampled magnitudes.
 
-    Of a sample of ``s`` entries, about ``k s / numel`` (binomially distributed) reach the k-th
-    largest magnitude; ``rank`` is four standard deviations above that, so about
-    ``k (1 + 4 / sqrt(k s / numel))`` entries reach the threshold.
+    Of a sample of ``s`` entries, about ``e = k s / numel`` (binomially distributed) reach the k-th
+    largest magnitude; ``rank`` is four standard deviations above that, so about ``k rank / e``
+    entries reach the threshold. A larger sample costs more to gather and select from but lets
+    fewer extra candidates through: the sample is the smallest of 512, 1,024 and 2,048 entries
+    that lets through at most ``_SAMPLE_EXCESS`` more than k on average, else ``numel / 256``
+    within [4,096, 65,536] (and never more than ``numel``).
     """
-    size = min(numel, max(4096, min(65536, numel // 256)))
-    expected = k * size / numel
-    return size, int(math.ceil(expected + 4.0 * math.sqrt(expected) + 4.0))
+    largest = min(numel, max(4096, min(65536, numel // 256)))
+    for size in (512, 1024, 2048, largest):
+        size = min(size, largest)
+        expected = k * size / numel
+        rank = int(math.ceil(expected + 4.0 * math.sqrt(expected) + 4.0))
+        if size == largest or k * rank / expected - k <= _SAMPLE_EXCESS:
+            return size, rank
+
+
+_SAMPLE_EXCESS = 2048  # half the slack of the C selection's candidate buffers (2 k + 4096)
 
 
 class _SelectBuffers:
@@ -351,7 +364,7 @@ def filter_and_scatter_(memory, grad, indices, reduced, memory_at_indices, value
         order = None
         while True:
             status = native.library().hsc_filter_scatter(
-                memory.data_ptr(), flat.data_ptr(), flat.numel(), ctypes.c_float(beta), ctypes.c_float(1.0 - beta),
+                memory.data_ptr(), flat.data_ptr(), flat.numel(), beta, 1.0 - beta,
                 indices.data_ptr(), indices.numel(), reduced.data_ptr(), memory_at_indices.data_ptr())
             if status != -2 or order is not None:
                 break
@@ -401,7 +414,7 @@ def take_advancing_(memory, grad, indices, beta, marks=None):
         return None
     values = torch.empty(indices.numel())
     finite = native.library().hsc_take_advancing(memory.data_ptr(), flat.data_ptr(), flat.numel(),
-                                                 ctypes.c_float(beta), ctypes.c_float(1.0 - beta),
+                                                 beta, 1.0 - beta,
                                                  marks.bits.data_ptr(), values.data_ptr())
     if marks.order is not None:  # taken in ascending index order: back to the order of indices
         values = torch.empty_like(values).index_copy_(0, marks.order, values)

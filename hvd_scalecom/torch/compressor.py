@@ -59,6 +59,12 @@ _TORCH_DTYPES = {
 }
 
 
+def _as_dtype(tensor, dtype):
+    """``tensor.to(dtype)`` without the call where it already has that dtype (a microsecond or two
+    per tensor and step)."""
+    return tensor if tensor.dtype is dtype else tensor.to(dtype)
+
+
 def _stall_times(timeout):
     """(warning interval, time limit) in seconds, None for never: Horovod's own stall settings,
     ``timeout`` taking precedence over ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``."""
@@ -199,12 +205,12 @@ class ScaleCom(Compressor):
             advancing = clt_k.take_advancing_(slot.memory, tensor, indices, self.config.beta, slot.marks)
             if advancing is not None:
                 taken, advanced = (None, *advancing), True  # m_i[I] is not needed: its update is written
-        if not advanced:
+        if not advanced and indices.dtype is not torch.int64:
             indices = indices.to(torch.int64)
         if taken is None:
             taken = clt_k.take_checking(slot.memory, tensor, indices)
         memory_at_indices, exact_values, finite = taken  # m_i[I], p_i[I]
-        values = exact_values.to(self._value_dtype or tensor.dtype)
+        values = _as_dtype(exact_values, self._value_dtype or tensor.dtype)
         if not finite:
             # A non-finite gradient anywhere on this rank makes the values it sends NaN, so that every
             # rank sees a non-finite reduction and skips this tensor's memory update (see decompress).
@@ -223,7 +229,7 @@ class ScaleCom(Compressor):
         start = time.perf_counter()
         slot, t, indices, grad, memory_at_indices, exact_values, sending, advanced = ctx
         self._synchronize(sending, slot)  # long done: every rank received it before reducing
-        sent = exact_values.to(self._value_dtype or grad.dtype)  # as this rank sent them
+        sent = _as_dtype(exact_values, self._value_dtype or grad.dtype)  # as this rank sent them
         if advanced:  # the buffers trade places: the gradient's becomes the memory, and vice versa
             out, slot.memory, updated = clt_k.filter_and_scatter_advanced(
                 slot.memory, grad, indices, tensor, exact_values, sent, self.config.beta, slot.marks)
