@@ -112,6 +112,8 @@ def test_advancing_pass_equals_the_in_place_passes_with_the_buffers_traded(order
     assert torch.equal(taken, values)
     assert torch.equal(new_memory, new) and torch.equal(out, new_grad)
     assert new_memory.data_ptr() == grad_buffer and out.data_ptr() == memory_buffer  # traded, not copied
+    grad.set_(out)  # as Horovod does with the gradient decompress returns: the memory stays
+    assert torch.equal(new_memory, new) and new_memory.data_ptr() == grad_buffer
 
 
 @pytest.mark.parametrize("path", ["in place", "traded buffers"])

@@ -120,6 +120,8 @@ def _declare(lib):
     lib.hsc_take_advancing.argtypes = [ptr, ptr, i64, f32, f32, ptr, ptr]
     lib.hsc_scatter_marked.restype = None
     lib.hsc_scatter_marked.argtypes = [ptr, i64, ptr, ptr]
+    lib.hsc_scatter_if_finite.restype = i32
+    lib.hsc_scatter_if_finite.argtypes = [ptr, ptr, i64, ptr, ptr, i64]
     lib.hsc_all_finite.restype = i32
     lib.hsc_all_finite.argtypes = [ptr, i64]
     lib.hsc_sketch.restype = i32

@@ -8,6 +8,8 @@
  * hsc_take_advancing:      step 3 on a non-leader and step 4 written over g (the new memory, adopted
  *                          if the reduction is finite): one pass, in place over g.
  * hsc_scatter_marked:      step 5 into a buffer that is not read (zeros with the values at I).
+ * hsc_scatter_if_finite:   step 5 after hsc_take_advancing, into the buffer that the values'
+ *                          finiteness frees.
  * hsc_all_finite:          whether every entry is finite (the reduced values, before step 4).
  *
  * Compiled by hvd_scalecom/native/__init__.py with -ffp-contract=off: every rounding is the one
@@ -420,6 +422,18 @@ void hsc_scatter_marked(float *restrict out, int64_t n, const uint16_t *restrict
     if (stream) _mm_sfence();
 #endif
     for (; i < n; i++) out[i] = ((bits[i >> 4] >> (i & 15)) & 1) ? values[j++] : 0.0f;
+}
+
+int hsc_all_finite(const float *restrict x, int64_t n);
+
+/* Step 5 after hsc_take_advancing, whose g holds the new memory: if every value is finite, the
+ * values over zeros into the old memory's buffer (which becomes the gradient) and 1 is returned;
+ * else into g (the memory is kept), returning 0. bits from hsc_mark. */
+int hsc_scatter_if_finite(float *restrict memory, float *restrict g, int64_t n, const uint16_t *restrict bits,
+                          const float *restrict values, int64_t k) {
+    const int finite = hsc_all_finite(values, k);
+    hsc_scatter_marked(finite ? memory : g, n, bits, values);
+    return finite;
 }
 
 /* 1 if every x[i] is finite, else 0: one read-only pass, no branch per vector. */

@@ -431,21 +431,18 @@ def filter_and_scatter_advanced(memory, grad, indices, reduced, values, sent, be
     flat = grad if grad.ndim == 1 else grad.view(-1)
     indices = _marked_dtype(indices)
     reduced = _flat(reduced, flat.dtype).contiguous()
-    updated = all_finite(reduced)
-    if updated:
-        new_memory = torch.empty(0, dtype=flat.dtype, device=flat.device).set_(
-            flat.untyped_storage(), 0, (flat.numel(),), (1,))
-        out, memory = memory, new_memory
-        if sent.dtype != values.dtype:
-            _keep_rounding_error_(memory, indices, values, sent, beta)
-    else:
-        out = flat
     if marks is None:
         marks = _mark(indices, flat.numel())
     if marks.order is not None:
         reduced = reduced[marks.order]
-    native.library().hsc_scatter_marked(out.data_ptr(), out.numel(), marks.bits.data_ptr(), reduced.data_ptr())
-    return out, memory, updated
+    updated = bool(native.library().hsc_scatter_if_finite(memory.data_ptr(), flat.data_ptr(), flat.numel(),
+                                                          marks.bits.data_ptr(), reduced.data_ptr(), reduced.numel()))
+    if not updated:
+        return flat, memory, False
+    new_memory = flat.detach()  # a tensor of its own on grad's storage, whatever becomes of grad
+    if sent.dtype != values.dtype:
+        _keep_rounding_error_(new_memory, indices, values, sent, beta)
+    return memory, new_memory, True
 
 
 def _marked_dtype(indices):
