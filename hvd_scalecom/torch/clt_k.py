@@ -52,9 +52,10 @@ def select_top_k(p, k, selection="exact"):
     magnitude aside) without a full top-k and without materialising ``|p|``:
 
     1. a threshold ``t`` a little below the k-th largest magnitude, from a fixed low-discrepancy
-       sample of ``p`` (a few thousand gathered entries), set so that fewer than k entries reach it
-       with probability about 3e-5 when the sampled values are independent (values clustered at
-       the sample's positions make the fallback below more frequent, never the result inexact);
+       sample of ``p`` (512 to 65,536 gathered entries, see :func:`_sample_plan`), set so that
+       fewer than k entries reach it with probability about 3e-5 when the sampled values are
+       independent (values clustered at the sample's positions make the fallback below more
+       frequent, never the result inexact);
     2. ``p`` seen as an ``(8, numel / 8)`` grid: the largest ``|p|`` of each column from one
        column-wise ``amax`` and one ``amin`` (read-only passes), and the columns reaching ``t``;
     3. the entries of those columns with ``|p| >= t`` are the candidates, a superset of the top k
@@ -181,7 +182,7 @@ def _sample_plan(numel, k):
             return size, rank
 
 
-_SAMPLE_EXCESS = 2048  # half the slack of the C selection's candidate buffers (2 k + 4096)
+_SAMPLE_EXCESS = 2048  # half the 4,096 spare entries of the C selection's candidate buffers (2 k + 4,096)
 
 
 class _SelectBuffers:
