@@ -90,7 +90,7 @@ def test_biased_sample_falls_back_or_keeps_many_candidates():
     """The sample positions hold values unlike the rest: the threshold is then far off in either
     direction, and the result must still be exact (fallback, or a large candidate set)."""
     numel, k = 500_000, 5000
-    size, _ = clt_k._sample_plan(numel, k)
+    size, _ = clt_k._sample_plan(numel, k, native=True)  # the C selection (CPU fp32)
     sampled = clt_k._sample_positions(numel, size, torch.device("cpu"))
     gen = torch.Generator().manual_seed(11)
     high = torch.randn(numel, generator=gen)

@@ -163,18 +163,24 @@ def _flat(tensor, dtype=None):
     return tensor if dtype is None or tensor.dtype is dtype else tensor.to(dtype)
 
 
-def _sample_plan(numel, k):
+def _sample_plan(numel, k, native=False):
     """(sample size, rank): the threshold is the rank-th largest of ``size`` sampled magnitudes.
 
     Of a sample of ``s`` entries, about ``e = k s / numel`` (binomially distributed) reach the k-th
     largest magnitude; ``rank`` is four standard deviations above that, so about ``k rank / e``
     entries reach the threshold (:func:`_expected_candidates`). A larger sample costs more to
-    gather and select from but lets fewer extra candidates through: the sample is the smallest of
-    512, 1,024 and 2,048 entries that lets through at most ``_SAMPLE_EXCESS`` more than k on
-    average, else ``numel / 1024`` within [4,096, 16,384] (never more than ``numel``). Timed on
-    this project's machine, 4,096 entries were best for 1M- and 4M-entry tensors, 8,192-16,384
-    for 25M (each sampled entry is then a cache miss).
+    gather and select from but lets fewer extra candidates through. With torch operations the
+    candidates cost the most: the sample is ``numel / 256`` entries within [4,096, 65,536]. In C
+    (``native``) the sample costs the most: it is the smallest of 512, 1,024 and 2,048 entries
+    that lets through at most ``_SAMPLE_EXCESS`` more than k on average, else ``numel / 1024``
+    within [4,096, 16,384] (timed on this project's machine, 4,096 entries were best for 1M- and
+    4M-entry tensors, 8,192-16,384 for 25M, where each sampled entry is a cache miss). Never more
+    than ``numel``.
     """
+    if not native:
+        size = min(numel, max(4096, min(65536, numel // 256)))
+        expected = k * size / numel
+        return size, int(math.ceil(expected + 4.0 * math.sqrt(expected) + 4.0))
     largest = min(numel, max(4096, min(16384, numel // 1024)))
     for size in (512, 1024, 2048, largest):
         size = min(size, largest)
@@ -184,7 +190,7 @@ def _sample_plan(numel, k):
             return size, rank
 
 
-_SAMPLE_EXCESS = 2048  # candidates beyond k that a small sample may let through on average
+_SAMPLE_EXCESS = 2048  # candidates beyond k that a small sample lets through, on average (in C)
 
 
 def _expected_candidates(numel, k, size, rank):
@@ -220,7 +226,7 @@ def _native_plan(numel, k):
     """``(sample size, rank, sample positions, their pointer, room)`` of the C selection (see
     :func:`_sample_plan`; room: candidates the buffers first hold, twice the expected number), or
     None where the rank would exceed the sample."""
-    size, rank = _sample_plan(numel, k)
+    size, rank = _sample_plan(numel, k, native=True)
     if rank >= size:
         return None
     positions = _sample_positions(numel, size, torch.device("cpu"))
