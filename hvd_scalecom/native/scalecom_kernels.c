@@ -424,18 +424,6 @@ void hsc_scatter_marked(float *restrict out, int64_t n, const uint16_t *restrict
     for (; i < n; i++) out[i] = ((bits[i >> 4] >> (i & 15)) & 1) ? values[j++] : 0.0f;
 }
 
-int hsc_all_finite(const float *restrict x, int64_t n);
-
-/* Step 5 after hsc_take_advancing, whose g holds the new memory: if every value is finite, the
- * values over zeros into the old memory's buffer (which becomes the gradient) and 1 is returned;
- * else into g (the memory is kept), returning 0. bits from hsc_mark. */
-int hsc_scatter_if_finite(float *restrict memory, float *restrict g, int64_t n, const uint16_t *restrict bits,
-                          const float *restrict values, int64_t k) {
-    const int finite = hsc_all_finite(values, k);
-    hsc_scatter_marked(finite ? memory : g, n, bits, values);
-    return finite;
-}
-
 /* 1 if every x[i] is finite, else 0: one read-only pass, no branch per vector. */
 int hsc_all_finite(const float *restrict x, int64_t n) {
     int64_t i = 0;
@@ -446,5 +434,15 @@ int hsc_all_finite(const float *restrict x, int64_t n) {
     finite = bad == 0;
 #endif
     for (; i < n; i++) finite &= fabsf(x[i]) <= FLT_MAX;
+    return finite;
+}
+
+/* Step 5 after hsc_take_advancing, whose g holds the new memory: if every value is finite, the
+ * values over zeros into the old memory's buffer (which becomes the gradient) and 1 is returned;
+ * else into g (the memory is kept), returning 0. bits from hsc_mark. */
+int hsc_scatter_if_finite(float *restrict memory, float *restrict g, int64_t n, const uint16_t *restrict bits,
+                          const float *restrict values, int64_t k) {
+    const int finite = hsc_all_finite(values, k);
+    hsc_scatter_marked(finite ? memory : g, n, bits, values);
     return finite;
 }

@@ -179,23 +179,28 @@ def _sample_plan(numel, k, native=False):
     """
     if not native:
         size = min(numel, max(4096, min(65536, numel // 256)))
-        expected = k * size / numel
-        return size, int(math.ceil(expected + 4.0 * math.sqrt(expected) + 4.0))
+        return size, _sample_rank(numel, k, size)
     largest = min(numel, max(4096, min(16384, numel // 1024)))
     for size in (512, 1024, 2048, largest):
         size = min(size, largest)
-        expected = k * size / numel
-        rank = int(math.ceil(expected + 4.0 * math.sqrt(expected) + 4.0))
-        if size == largest or _expected_candidates(numel, k, size, rank) - k <= _SAMPLE_EXCESS:
+        rank = _sample_rank(numel, k, size)
+        if size == largest or _expected_candidates(numel, size, rank) - k <= _SAMPLE_EXCESS:
             return size, rank
 
 
 _SAMPLE_EXCESS = 2048  # candidates beyond k that a small sample lets through, on average (in C)
 
 
-def _expected_candidates(numel, k, size, rank):
+def _sample_rank(numel, k, size):
+    """Four standard deviations above the ``k size / numel`` sampled entries expected to reach the
+    k-th largest magnitude (see :func:`_sample_plan`)."""
+    expected = k * size / numel
+    return int(math.ceil(expected + 4.0 * math.sqrt(expected) + 4.0))
+
+
+def _expected_candidates(numel, size, rank):
     """About how many entries reach the rank-th largest of ``size`` sampled magnitudes."""
-    return k * rank * numel / (k * size)
+    return rank * numel / size
 
 
 class _SelectBuffers:
@@ -230,7 +235,7 @@ def _native_plan(numel, k):
     if rank >= size:
         return None
     positions = _sample_positions(numel, size, torch.device("cpu"))
-    room = max(2 * k + 4096, int(2 * _expected_candidates(numel, k, size, rank)))  # candidate buffers
+    room = max(2 * k + 4096, int(2 * _expected_candidates(numel, size, rank)))  # candidate buffers
     return size, rank, positions, positions.data_ptr(), room
 
 

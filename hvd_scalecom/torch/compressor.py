@@ -205,8 +205,8 @@ class ScaleCom(Compressor):
             advancing = clt_k.take_advancing_(slot.memory, tensor, indices, self.config.beta, slot.marks)
             if advancing is not None:
                 taken, advanced = (None, *advancing), True  # m_i[I] is not needed: its update is written
-        if not advanced and indices.dtype is not torch.int64:
-            indices = indices.to(torch.int64)
+        if not advanced:
+            indices = _as_dtype(indices, torch.int64)
         if taken is None:
             taken = clt_k.take_checking(slot.memory, tensor, indices)
         memory_at_indices, exact_values, finite = taken  # m_i[I], p_i[I]
