@@ -1,5 +1,5 @@
 """ScaleCom's per-tensor compute (compress + decompress) against the memory-bandwidth floor; writes
-the "Kernels" section of docs/performance.md.
+the "Kernels" section of docs/performance.md and docs/kernels.png (the ratios to the floor).
 
     .venv/bin/python -m benchmarks.kernels            # 1M and 25M entries, ratios 0.01 and 0.001
     .venv/bin/python -m benchmarks.kernels --smoke    # one small tensor, two rounds
@@ -156,7 +156,7 @@ def run_environment(env_name, args):
     return rows
 
 
-def markdown(rows, command, load):
+def markdown(rows, command, load, figure=None):
     def fmt(r, name):
         return f"{r['x'][name]:.2f}x ({r['best_x'][name]:.2f}x)" if name in r["x"] else "n/a"
 
@@ -221,13 +221,46 @@ def markdown(rows, command, load):
     for r in rows:
         lines.append(f"| {r['numel']:,} | {r['ratio']:g} | {r['environment']} | "
                      + " | ".join(f"{r['ms'][n]:.2f}" for n in names) + " |")
+    if figure:
+        lines += ["", f"![compress + decompress against the floor]({figure})"]
     return "\n".join(lines) + "\n"
+
+
+PLOTTED = {"leader": ("tab:red", 3.0), "non-leader": ("tab:blue", 1.5),
+           "leader, torch operations": ("salmon", None), "non-leader, torch operations": ("lightblue", None)}
+
+
+def plot_rows(rows, path):
+    """Median ratios to the floor per tensor size and ratio (log scale), with the targets as lines."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(2.5 + 1.7 * len(rows), 4))
+    width = 0.8 / len(PLOTTED)
+    for i, (name, (color, _)) in enumerate(PLOTTED.items()):
+        ax.bar([j + i * width for j in range(len(rows))], [r["x"][name] for r in rows], width, color=color,
+               label=name)
+    for name, (color, target) in PLOTTED.items():
+        if target:
+            ax.axhline(target, color=color, linestyle="--", linewidth=1, label=f"{name} target ({target:g}x)")
+    ax.axhline(1.0, color="black", linewidth=1, label="floor (m += beta g)")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
+    ax.set_xticklabels([f"{r['numel']:,} entries\nratio {r['ratio']:g}" for r in rows])
+    ax.set_yscale("log")
+    ax.set_ylabel("compress + decompress / floor (median)")
+    ax.set_title("One tensor's compute against the bandwidth floor (one thread)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="one small tensor, two rounds")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "performance.md"))
+    ap.add_argument("--plot", default=None, help="PNG path (default: docs/kernels.png; none in --smoke)")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--sizes", type=int, nargs="+", default=None)
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.01, 0.001])
@@ -252,7 +285,10 @@ def main(argv=None):
                   flush=True)
     command = "python -m benchmarks.kernels" + (" --smoke" if args.smoke else "")
     load.append(os.getloadavg()[0])
-    replace_section(args.out, "kernels", markdown(rows, command, load))
+    plot = None if args.smoke and args.plot is None else (args.plot or os.path.join(ROOT, "docs", "kernels.png"))
+    if plot:
+        plot_rows(rows, plot)
+    replace_section(args.out, "kernels", markdown(rows, command, load, plot and os.path.basename(plot)))
     print(f"wrote {args.out}")
 
 

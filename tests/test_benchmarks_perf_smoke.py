@@ -11,9 +11,11 @@ from benchmark_smoke import run_smoke
 
 def test_kernels_smoke(tmp_path):
     out = tmp_path / "performance.md"
-    run_smoke("benchmarks.kernels", out, timeout=300)
+    run_smoke("benchmarks.kernels", out, timeout=300, extra=("--plot", str(tmp_path / "kernels.png")))
     text = out.read_text()
     assert "<!-- kernels:begin -->" in text and "## Kernels" in text
+    assert "![compress + decompress against the floor](kernels.png)" in text
+    assert (tmp_path / "kernels.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| 100,000 | 0.01 | default |" in text and "| 100,000 | 0.001 | default |" in text
     assert "| 1.0000 |" in text  # the threshold selection finds the exact top-k set
 

@@ -12,6 +12,7 @@ import torch
 from scalar_kernels import rerun_with_scalar_kernels
 
 from hvd_scalecom import native
+from hvd_scalecom.native import torch_operations
 from hvd_scalecom.torch import clt_k
 
 BETA = 0.1
@@ -64,18 +65,34 @@ def test_leader_steps_equal_top_k_and_the_torch_memory_update(numel, ratio):
 
 @pytest.mark.parametrize("order", ["ascending", "shuffled"])
 @pytest.mark.parametrize("tail", [0, 5, 15])
-def test_non_leader_steps_in_any_order_and_with_tails(order, tail):
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_non_leader_steps_in_any_order_and_with_tails(order, tail, index_dtype):
     numel = 300_000 + tail
     memory, grad = inputs(numel, seed=1)
     indices = torch.randperm(numel, generator=torch.Generator().manual_seed(2))[:3000]
     indices[0], indices[1] = numel - 1, 0  # the scalar tail and the first lane
-    indices = indices.sort().values if order == "ascending" else indices
+    indices = (indices.sort().values if order == "ascending" else indices).to(index_dtype)
     reduced = torch.randn(3000, generator=torch.Generator().manual_seed(3))
-    new, new_grad, kept, values = reference(memory, grad, indices, reduced)
+    new, new_grad, kept, values = reference(memory, grad, indices.long(), reduced)
     at, taken, finite = clt_k.take_checking(memory, grad, indices)
     assert finite and torch.equal(at, kept) and torch.equal(taken, values)  # in the order asked for
     _, updated, _ = run_both_steps(memory, grad, indices, (at, taken, finite), lambda v: reduced)
     assert updated and torch.equal(memory, new) and torch.equal(grad, new_grad)
+
+
+def test_repeated_indices_in_place_give_what_torch_operations_give():
+    memory, grad = inputs(10_000, seed=11)
+    indices = torch.tensor([7, 300, 7, 9_999])
+    reduced = torch.tensor([1.0, 2.0, 1.0, 3.0])
+    results = []
+    for use_torch in (False, True):
+        m, g = memory.clone(), grad.clone()
+        with torch_operations() if use_torch else contextlib.nullcontext():
+            at, taken, finite = clt_k.take_checking(m, g, indices)
+            assert clt_k.filter_and_scatter_(m, g, indices, reduced, at, taken, taken, BETA)
+        results.append((m, g))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert results[0][1][7] == 1.0 and results[0][1][300] == 2.0 and results[0][1].count_nonzero() == 3
 
 
 def advance_both_steps(memory, grad, indices, reduced_of, sent_dtype=None, marks=None):

@@ -3,8 +3,8 @@
  *
  * hsc_select:              I, m[I], p[I] and finiteness on the leader (steps 1-3): one read-only pass.
  * hsc_take:                m[I], p[I] and finiteness on a non-leader (step 3): one read-only pass.
+ * hsc_mark:                the set I as a bitmap, for the passes below.
  * hsc_filter_scatter:      the memory update and the reduced values into g (steps 4-5): one pass in place.
- * hsc_mark:                the set I as a bitmap, for the two passes below.
  * hsc_take_advancing:      step 3 on a non-leader and step 4 written over g (the new memory, adopted
  *                          if the reduction is finite): one pass, in place over g.
  * hsc_scatter_marked:      step 5 into a buffer that is not read (zeros with the values at I).
@@ -23,11 +23,10 @@
 #include <immintrin.h>
 #endif
 
-/* The streaming passes go by blocks: a block's whole vectors first (no branch per vector), then its
- * few indices, while the block is still in L1. hsc_take's blocks are short, as the m[I] lines it
- * requests one block ahead must arrive in time; hsc_filter_scatter's are longer, switching less
- * often between streaming and patching (both sizes chosen by timing 1M- and 25M-entry tensors). */
-enum { TAKE_BLOCK = 512, FILTER_BLOCK = 4096, SCAN_BLOCK = 512 /* hsc_select's pass */,
+/* hsc_take goes by blocks: a block's whole vectors first (no branch per vector), then its few
+ * indices, while the block is still in L1; the blocks are short, as the m[I] lines it requests one
+ * block ahead must arrive in time (the size chosen by timing 1M- and 25M-entry tensors). */
+enum { TAKE_BLOCK = 512, SCAN_BLOCK = 512 /* hsc_select's pass */,
        AHEAD = 32 /* gathers: lines requested this many ahead */ };
 
 static uint32_t float_bits(float x) { uint32_t u; memcpy(&u, &x, sizeof u); return u; }
@@ -47,19 +46,16 @@ static inline __m512 magnitude(__m512 va, __m512 vb) {
     return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(p), _mm512_set1_epi32(0x7fffffff)));
 }
 
-/* Appends the lanes of entries i..i+16 set in hit to the candidates at c: index, a + b (b zero when
- * NULL) and a. Whole-vector stores: the buffers hold 16 entries of slack. */
+/* Appends the lanes of entries i..i+16 set in hit to the candidates at c: index (int32: n < 2^31),
+ * a + b (b zero when NULL) and a. Whole-vector stores: the buffers hold 16 entries of slack. */
 static inline void keep_candidates(const float *a, const float *b, int64_t i, __mmask16 hit, int64_t c,
-                                   int64_t *cand_idx, float *cand_p, float *cand_a) {
-    const __m512i lanes = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
+                                   int32_t *cand_idx, float *cand_p, float *cand_a) {
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512 va = _mm512_loadu_ps(a + i), vb = b ? _mm512_loadu_ps(b + i) : _mm512_setzero_ps();
-    const __m512i low = _mm512_add_epi64(_mm512_set1_epi64(i), lanes);
-    const __m512i high = _mm512_add_epi64(low, _mm512_set1_epi64(8));
-    const int n_low = __builtin_popcount(hit & 0xff);
     _mm512_storeu_ps(cand_p + c, _mm512_maskz_compress_ps(hit, _mm512_add_ps(va, vb)));
     _mm512_storeu_ps(cand_a + c, _mm512_maskz_compress_ps(hit, va));
-    _mm512_storeu_si512((void *)(cand_idx + c), _mm512_maskz_compress_epi64((__mmask8)(hit & 0xff), low));
-    _mm512_storeu_si512((void *)(cand_idx + c + n_low), _mm512_maskz_compress_epi64((__mmask8)(hit >> 8), high));
+    _mm512_storeu_si512((void *)(cand_idx + c),
+                        _mm512_maskz_compress_epi32(hit, _mm512_add_epi32(_mm512_set1_epi32((int32_t)i), lanes)));
 }
 #endif
 
@@ -123,9 +119,9 @@ static float kth_largest(float *x, int64_t n, int64_t r) {
  * the lowest indices. Returns k; -1 when t is not positive (before the pass) or fewer than k reach it
  * (the caller falls back to a full top-k); -2 when more than cap do (retry with more room). NaN
  * entries are never selected. cand_* hold cap + 16 entries (whole-vector stores), scratch
- * max(cap, s). */
+ * max(cap, s); n < 2^31 (the candidates' indices are int32, widened to int64 in out_idx). */
 int64_t hsc_select(const float *restrict a, const float *restrict b, int64_t n, int64_t k,
-                   const int64_t *sample, int64_t s, int64_t rank, int64_t *restrict cand_idx,
+                   const int64_t *sample, int64_t s, int64_t rank, int32_t *restrict cand_idx,
                    float *restrict cand_p, float *restrict cand_a, int64_t cap,
                    float *restrict scratch, int64_t *restrict out_idx, float *restrict a_at,
                    float *restrict p_at, int *finite_out) {
@@ -180,7 +176,7 @@ int64_t hsc_select(const float *restrict a, const float *restrict b, int64_t n, 
         float ai = a[i], bi = b ? b[i] : 0.0f, mag = fabsf(b ? ai + bi : ai);
         finite &= fabsf(checked[i]) <= FLT_MAX;
         if (mag >= t) {
-            if (c < cap) { cand_idx[c] = i; cand_p[c] = b ? ai + bi : ai; cand_a[c] = ai; }
+            if (c < cap) { cand_idx[c] = (int32_t)i; cand_p[c] = b ? ai + bi : ai; cand_a[c] = ai; }
             c++;
         }
     }
@@ -205,13 +201,12 @@ int64_t hsc_select(const float *restrict a, const float *restrict b, int64_t n, 
         const int got = __builtin_popcount(take);
         const __m512 va = _mm512_loadu_ps(cand_a + q);
         const __mmask16 fill = (__mmask16)((1u << got) - 1);
-        const int n_low = __builtin_popcount(take & 0xff);
+        const __m512i kept = _mm512_maskz_compress_epi32(take, _mm512_loadu_si512(cand_idx + q));
         _mm512_mask_storeu_ps(a_at + o, fill, _mm512_maskz_compress_ps(take, va));
         _mm512_mask_storeu_ps(p_at + o, fill, _mm512_maskz_compress_ps(take, vp));
-        _mm512_mask_storeu_epi64(out_idx + o, (__mmask8)((1u << n_low) - 1),
-                                 _mm512_maskz_compress_epi64((__mmask8)(take & 0xff), _mm512_loadu_si512(cand_idx + q)));
-        _mm512_mask_storeu_epi64(out_idx + o + n_low, (__mmask8)((1u << (got - n_low)) - 1),
-                                 _mm512_maskz_compress_epi64((__mmask8)(take >> 8), _mm512_loadu_si512(cand_idx + q + 8)));
+        _mm512_mask_storeu_epi64(out_idx + o, (__mmask8)fill, _mm512_cvtepi32_epi64(_mm512_castsi512_si256(kept)));
+        _mm512_mask_storeu_epi64(out_idx + o + 8, (__mmask8)(fill >> 8),
+                                 _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(kept, 1)));
         o += got;
     }
 #endif
@@ -272,50 +267,6 @@ int hsc_take(const float *restrict m, const float *restrict g, int64_t n, const 
         }
     }
     return finite;
-}
-
-/* Steps 4-5 in place, in one pass, once the reduced values are known: if every value is finite,
- *   off I: m = m + beta g (fmaf), at I: m = keep m_at (keep = 1 - beta, m_at = m[I] as taken in
- *   compress; p - v = 0 for fp32 values);
- * then in every case g = 0 off I and g[I[j]] = values[j] (idx ascending). By blocks of FILTER_BLOCK entries:
- * whole vectors over the block, then its indices patched while it is in L1 (m_at is only read when
- * the memory is updated). Returns 1 if the memory was updated, 0 if a value was not finite (m
- * untouched); -1 (before writing anything) if an index is out of [0, n), -2 if the indices are not
- * ascending. */
-int hsc_filter_scatter(float *restrict m, float *restrict g, int64_t n, float beta, float keep,
-                       const int64_t *restrict idx, int64_t k, const float *restrict values,
-                       const float *restrict m_at) {
-    int update = 1;
-    for (int64_t j = 0; j < k; j++) {
-        if (idx[j] < 0 || idx[j] >= n) return -1;
-        if (j > 0 && idx[j] <= idx[j - 1]) return -2;
-        update &= fabsf(values[j]) <= FLT_MAX;
-    }
-    int64_t j = 0;
-    for (int64_t lo = 0; lo < n; lo += FILTER_BLOCK) {
-        const int64_t hi = lo + FILTER_BLOCK < n ? lo + FILTER_BLOCK : n;
-        int64_t i = lo;
-#ifdef __AVX512F__
-        const __m512 vbeta = _mm512_set1_ps(beta), zero = _mm512_setzero_ps();
-        if (update) {
-            for (; i + 16 <= hi; i += 16) {
-                _mm512_storeu_ps(m + i, _mm512_fmadd_ps(vbeta, _mm512_loadu_ps(g + i), _mm512_loadu_ps(m + i)));
-                _mm512_storeu_ps(g + i, zero);
-            }
-        } else {
-            for (; i + 16 <= hi; i += 16) _mm512_storeu_ps(g + i, zero);
-        }
-#endif
-        for (; i < hi; i++) {
-            if (update) m[i] = fmaf(beta, g[i], m[i]);
-            g[i] = 0.0f;
-        }
-        for (; j < k && idx[j] < hi; j++) {
-            if (update) m[idx[j]] = keep * m_at[j];
-            g[idx[j]] = values[j];
-        }
-    }
-    return update;
 }
 
 /* I (ascending, in [0, n); int64 indices if wide, else int32, as they are broadcast) as n bits: bit
@@ -435,6 +386,52 @@ int hsc_all_finite(const float *restrict x, int64_t n) {
 #endif
     for (; i < n; i++) finite &= fabsf(x[i]) <= FLT_MAX;
     return finite;
+}
+
+/* Steps 4-5 in place, in one pass, once the reduced values are known (idx: I ascending, int64 if
+ * wide, else int32; bits: room for hsc_mark's bitmap of n entries, which this fills): if every value
+ * is finite,
+ *   off I: m = m + beta g (fmaf), at I: m = keep m (keep = 1 - beta: m[I] is still the m[I] that
+ *   compress took, and p - v = 0 for fp32 values);
+ * then in every case g = 0 off I and g[I[j]] = values[j]. I goes through the pass as the bitmap
+ * (whole vectors, no loop or branch per index). Returns 1 if the memory was updated, 0 if a value was
+ * not finite (m untouched); as hsc_mark, before writing m or g, -1 if an index is out of [0, n) and
+ * -2 if the indices are not strictly ascending. */
+int hsc_filter_scatter(float *restrict m, float *restrict g, int64_t n, float beta, float keep,
+                       const void *restrict idx, int wide, int64_t k, const float *restrict values,
+                       uint16_t *restrict bits) {
+    const int marked = hsc_mark(idx, wide, k, n, bits);
+    if (marked < 0) return marked;
+    const int update = hsc_all_finite(values, k);
+    int64_t i = 0, j = 0;
+#ifdef __AVX512F__
+    const __m512 vbeta = _mm512_set1_ps(beta), vkeep = _mm512_set1_ps(keep);
+    for (; i + 64 <= n; i += 64) {
+        const uint64_t word = marks64(bits, i);
+        for (int q = 0; q < 64; q += 16) {
+            __m512 out = _mm512_setzero_ps();
+            if (update) {
+                const __m512 vm = _mm512_loadu_ps(m + i + q);
+                __m512 t = _mm512_fmadd_ps(vbeta, _mm512_loadu_ps(g + i + q), vm);
+                if (word) t = _mm512_mask_mul_ps(t, (__mmask16)(word >> q), vkeep, vm);
+                _mm512_storeu_ps(m + i + q, t);
+            }
+            if (word) {
+                const __mmask16 at = (__mmask16)(word >> q);
+                const int c = __builtin_popcount(at);
+                out = _mm512_maskz_expand_ps(at, _mm512_maskz_loadu_ps((__mmask16)((1u << c) - 1), values + j));
+                j += c;
+            }
+            _mm512_storeu_ps(g + i + q, out);
+        }
+    }
+#endif
+    for (; i < n; i++) {
+        const int at = (bits[i >> 4] >> (i & 15)) & 1;
+        if (update) m[i] = at ? keep * m[i] : fmaf(beta, g[i], m[i]);
+        g[i] = at ? values[j++] : 0.0f;
+    }
+    return update;
 }
 
 /* Step 5 after hsc_take_advancing, whose g holds the new memory: if every value is finite, the

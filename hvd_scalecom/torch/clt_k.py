@@ -74,7 +74,7 @@ def select_top_k(p, k, selection="exact"):
     if k >= numel:
         return torch.arange(numel, device=p.device)
     p = p.reshape(-1)
-    native_applies = _native_applies(p)
+    native_applies = numel < _NATIVE_SELECT_MAX_NUMEL and _native_applies(p)
     if selection == "exact" or not _thresholded(numel, k, native_applies):
         return torch.topk(p.abs(), k, sorted=False).indices
     if native_applies:
@@ -123,13 +123,15 @@ def _native_select_of_sum(memory, grad, k, selection):
     """:func:`_native_select` of ``(m, g)`` where it applies, else None."""
     grad = _flat(grad)
     numel = memory.numel()
-    if selection == "threshold" and k < numel and _thresholded(numel, k, True) and _native_applies(memory, grad):
+    if (selection == "threshold" and k < numel < _NATIVE_SELECT_MAX_NUMEL and _thresholded(numel, k, True)
+            and _native_applies(memory, grad)):
         return _native_select(memory, grad, k)
     return None
 
 
 _THRESHOLD_MIN_NUMEL = 1 << 16  # torch operations: below this, torch.topk is about as fast
 _NATIVE_THRESHOLD_MIN_NUMEL = 1 << 10  # the C selection: faster than torch.topk from a few thousand entries
+_NATIVE_SELECT_MAX_NUMEL = 1 << 31  # the C selection keeps its candidates' indices as int32
 _GRID_ROWS = 8  # rows of the column pre-filter: a column reaches t with probability ~8x an entry's
 
 
@@ -214,7 +216,7 @@ class _SelectBuffers:
         the C kernel takes them (pointers and the capacity)."""
         if cap > self.cap or sample_size > self.scratch.numel():
             self.cap = max(cap, self.cap)
-            self.indices = torch.empty(self.cap + 16, dtype=torch.int64)  # + one vector of slack
+            self.indices = torch.empty(self.cap + 16, dtype=torch.int32)  # + one vector of slack
             self.p = torch.empty(self.cap + 16)
             self.a = torch.empty(self.cap + 16)
             self.scratch = torch.empty(max(self.cap, sample_size))
@@ -374,33 +376,45 @@ def filter_and_scatter_(memory, grad, indices, reduced, memory_at_indices, value
     """Steps 4-5 once the reduced values are known, in place: if every reduced value is finite, the
     memory update of :func:`filter_memory_`; in every case ``grad`` (contiguous) becomes zeros with
     ``reduced`` at ``indices``. Returns whether the memory was updated. ``(m[I], p[I])`` are those
-    of :func:`take_checking`, ``sent`` the values as this rank sent them. On contiguous fp32 CPU
-    tensors one pass in C reads and writes m and g once (ascending indices are fastest)."""
+    of :func:`take_checking` (``memory`` unchanged since), ``sent`` the values as this rank sent
+    them. On contiguous fp32 CPU tensors one pass in C reads and writes m and g once, with I as a
+    bitmap (see :class:`Marks`; ``m[I]`` is read there from ``memory`` itself)."""
     flat = grad if grad.ndim == 1 else grad.view(-1)  # written to: a view, never a copy
-    indices = _flat(indices, torch.int64)
     reduced = _flat(reduced, flat.dtype)
+    if _native_applies(memory, flat, reduced) and indices.is_cpu and indices.numel() == reduced.numel():
+        updated = _native_filter_and_scatter_(memory, flat, _marked_dtype(indices), reduced, values, sent, beta)
+        if updated is not None:
+            return updated
+    indices = _flat(indices, torch.int64)
     memory_at_indices = _flat(memory_at_indices, memory.dtype)
-    if _native_applies(memory, flat, reduced, memory_at_indices) and indices.is_cpu and indices.is_contiguous():
-        order = None
-        while True:
-            status = native.library().hsc_filter_scatter(
-                memory.data_ptr(), flat.data_ptr(), flat.numel(), beta, 1.0 - beta,
-                indices.data_ptr(), indices.numel(), reduced.data_ptr(), memory_at_indices.data_ptr())
-            if status != -2 or order is not None:
-                break
-            order = indices.argsort()  # not ascending: the same pass over the sorted pairs
-            indices, reduced, memory_at_indices = indices[order], reduced[order], memory_at_indices[order]
-            values, sent = values[order], sent.reshape(-1)[order]
-        if status < 0:
-            raise IndexError(_out_of_range(indices, flat.numel()))
-        if status == 1 and sent.dtype != values.dtype:  # memory[I] is (1 - beta) m[I] so far
-            _keep_rounding_error_(memory, indices, values, sent, beta)
-        return bool(status)
     finite = all_finite(reduced)
     if finite:
         filter_memory_(memory, flat, indices, memory_at_indices, values, sent, beta)
     scatter_dense_(grad, reduced, indices)
     return finite
+
+
+def _native_filter_and_scatter_(memory, flat, indices, reduced, values, sent, beta):
+    """:func:`filter_and_scatter_` by the C pass (``indices`` as :func:`_marked_dtype` gives them), or
+    None, having written nothing, where an index repeats."""
+    marks = _scratch_marks(flat.numel())
+    order = None
+    while True:
+        status = native.library().hsc_filter_scatter(
+            memory.data_ptr(), flat.data_ptr(), flat.numel(), beta, 1.0 - beta, indices.data_ptr(),
+            int(indices.dtype is torch.int64), indices.numel(), reduced.data_ptr(), marks.bits.data_ptr())
+        if status != -2 or order is not None:
+            break
+        order = indices.argsort()  # not ascending: the same pass over the sorted pairs
+        indices, reduced = indices[order], reduced[order]
+        values, sent = _flat(values)[order], _flat(sent)[order]
+    if status == -1:
+        raise IndexError(_out_of_range(indices, flat.numel()))
+    if status == -2:
+        return None
+    if status == 1 and sent.dtype != values.dtype:  # memory[I] is (1 - beta) m[I] so far
+        _keep_rounding_error_(memory, indices, values, sent, beta)
+    return bool(status)
 
 
 # Below this many entries (2 MB of fp32: a gradient and its memory in the second-level caches) the
@@ -487,14 +501,19 @@ class Marks:
 _shared_marks = Marks(0)
 
 
+def _scratch_marks(numel):
+    """A :class:`Marks` shared by the calls that fill and use a bitmap at once (grown as needed)."""
+    global _shared_marks
+    if _shared_marks.numel < numel:
+        _shared_marks = Marks(numel)
+    return _shared_marks
+
+
 def _mark(indices, numel, marks=None):
     """``marks`` (default: a shared buffer, grown as needed) holding ``indices`` (flat, contiguous,
     int32 or int64, CPU), or None where an index repeats; IndexError where one is out of range."""
-    global _shared_marks
     if marks is None:
-        if _shared_marks.numel < numel:
-            _shared_marks = Marks(numel)
-        marks = _shared_marks
+        marks = _scratch_marks(numel)
     elif marks.numel != numel:
         raise ValueError(f"marks are for {marks.numel} entries, the tensor has {numel}")
     lib = native.library()
