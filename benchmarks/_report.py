@@ -55,3 +55,16 @@ def interleaved(variants, rounds, reference, prepare=None):
     ref = times[reference]
     return {name: (statistics.median(ts), statistics.median(t / r for t, r in zip(ts, ref)), min(ts))
             for name, ts in times.items()}
+
+
+def shown_arguments(argv):
+    """The command-line arguments worth printing with a benchmark's results (not where they go)."""
+    shown, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--out", "--plot"):
+            skip = True
+        elif not a.startswith(("--out=", "--plot=")):
+            shown.append(a)
+    return shown

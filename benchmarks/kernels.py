@@ -23,27 +23,32 @@ Each variant runs once per round (15 rounds; 60 for tensors of up to 2^22 entrie
 same inputs (restored before every call, untimed), each timed call right after an untimed one of
 the same variant (so that none starts from caches another variant left: see
 ``benchmarks._report.interleaved``); a ratio is taken to the floor of the same round, and the
-table gives medians over rounds. With
-``--environments`` the sizes are also measured in a child process started with
-``THP_MEM_ALLOC_ENABLE=1`` (PyTorch's CPU allocator then uses transparent huge pages).
+table gives medians over rounds. Each environment of ``--environments`` measures the sizes in a
+child process: ``default``; ``THP_MEM_ALLOC_ENABLE=1`` (PyTorch's CPU allocator then uses
+transparent huge pages); ``without AVX-512`` (the C kernels built with ``-mno-avx512f`` into a
+cache of their own: the loops CPUs without AVX-512 run, vectorized by the compiler).
 """
 
 import argparse
 import json
 import math
 import os
+import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import torch
 
-from benchmarks._report import interleaved, replace_section
+from benchmarks._report import interleaved, replace_section, shown_arguments
 from hvd_scalecom.native import torch_operations
 from hvd_scalecom.torch import clt_k
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BETA = 0.1
-ENVIRONMENTS = {"default": {}, "THP_MEM_ALLOC_ENABLE=1": {"THP_MEM_ALLOC_ENABLE": "1"}}
+ENVIRONMENTS = {"default": {}, "THP_MEM_ALLOC_ENABLE=1": {"THP_MEM_ALLOC_ENABLE": "1"}, "without AVX-512": {}}
+WITHOUT_AVX512 = "without AVX-512"
 
 
 def make_inputs(numel, seed=0):
@@ -146,7 +151,15 @@ def run_environment(env_name, args):
            "--sizes", *map(str, args.sizes), "--ratios", *map(str, args.ratios)]
     if args.smoke:
         cmd.append("--smoke")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+    with tempfile.TemporaryDirectory() as build:
+        if env_name == WITHOUT_AVX512:  # a compiler wrapper, and a cache holding only that build
+            compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+            wrapper = os.path.join(build, "cc-without-avx512")
+            with open(wrapper, "w") as f:
+                f.write(f'#!/bin/sh\nexec {shlex.quote(compiler)} "$@" -mno-avx512f\n')
+            os.chmod(wrapper, 0o755)
+            env.update(CC=wrapper, HVD_SCALECOM_CACHE=os.path.join(build, "cache"))
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}")
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
@@ -188,7 +201,7 @@ def markdown(rows, command, load, figure=None):
         "(both paths find the same set).",
         f"Load average of this 2-core machine: {load[0]:.1f} at the start, {load[1]:.1f} at the end.",
         "",
-        "| entries | ratio | allocator | floor | floor GB/s | leader | non-leader | non-leader, k = 0 | "
+        "| entries | ratio | environment | floor | floor GB/s | leader | non-leader | non-leader, k = 0 | "
         "gradient write alone | non-leader, in place | leader, torch operations | non-leader, torch operations | "
         "leader, torch operations, exact top-k | overlap |",
         "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -204,7 +217,7 @@ def markdown(rows, command, load, figure=None):
         "",
         "The selection alone (on a given `p`), against the same floor:",
         "",
-        "| entries | ratio | allocator | threshold, C | threshold, torch | exact (`torch.topk`) |",
+        "| entries | ratio | environment | threshold, C | threshold, torch | exact (`torch.topk`) |",
         "|---:|---:|---|---:|---:|---:|",
     ]
     for r in rows:
@@ -216,7 +229,7 @@ def markdown(rows, command, load, figure=None):
     lines.append("Milliseconds (medians):")
     lines.append("")
     names = [n for n in rows[0]["ms"]]
-    lines.append("| entries | ratio | allocator | " + " | ".join(names) + " |")
+    lines.append("| entries | ratio | environment | " + " | ".join(names) + " |")
     lines.append("|---:|---:|---|" + "---:|" * len(names))
     for r in rows:
         lines.append(f"| {r['numel']:,} | {r['ratio']:g} | {r['environment']} | "
@@ -246,7 +259,8 @@ def plot_rows(rows, path):
             ax.axhline(target, color=color, linestyle="--", linewidth=1, label=f"{name} target ({target:g}x)")
     ax.axhline(1.0, color="black", linewidth=1, label="floor (m += beta g)")
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
-    ax.set_xticklabels([f"{r['numel']:,} entries\nratio {r['ratio']:g}" for r in rows])
+    ax.set_xticklabels([f"{r['numel']:,} entries\nratio {r['ratio']:g}"
+                        + ("" if r["environment"] == "default" else f"\n{r['environment']}") for r in rows])
     ax.set_yscale("log")
     ax.set_ylabel("compress + decompress / floor (median)")
     ax.set_title("One tensor's compute against the bandwidth floor (one thread)")
@@ -283,7 +297,8 @@ def main(argv=None):
                   f"{r['x']['non-leader']:5.2f}x (k=0 {r['x']['non-leader, k = 0']:4.2f}x, in place {r['x']['non-leader, in place']:4.2f}x)  torch: leader {r['x']['leader, torch operations']:5.2f}x"
                   f"  non-leader {r['x']['non-leader, torch operations']:5.2f}x  overlap {r['overlap']:.4f}",
                   flush=True)
-    command = "python -m benchmarks.kernels" + (" --smoke" if args.smoke else "")
+    shown = shown_arguments(sys.argv[1:] if argv is None else argv)
+    command = shlex.join(["python", "-m", "benchmarks.kernels", *shown])
     load.append(os.getloadavg()[0])
     plot = None if args.smoke and args.plot is None else (args.plot or os.path.join(ROOT, "docs", "kernels.png"))
     if plot:

@@ -38,7 +38,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks._report import replace_section
+from benchmarks._report import replace_section, shown_arguments
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "benchmarks", "_slow_link_worker.py")
@@ -318,19 +318,6 @@ def _terminate(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def _shown(argv):
-    """The command-line arguments worth printing (not where the output goes)."""
-    shown, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a in ("--out", "--plot"):
-            skip = True
-        elif not a.startswith(("--out=", "--plot=")):
-            shown.append(a)
-    return shown
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny model, 1gbit, 2 workers, one step")
@@ -368,7 +355,7 @@ def main(argv=None):
     plot = None if smoke and args.plot is None else (args.plot or os.path.join(ROOT, "docs", "slow_link.png"))
     if plot:
         plot_rows(rows, plot)
-    command = " ".join(["python -m benchmarks.slow_link", *map(shlex.quote, _shown(
+    command = " ".join(["python -m benchmarks.slow_link", *map(shlex.quote, shown_arguments(
         sys.argv[1:] if argv is None else argv))])
     replace_section(args.out, "slow_link", markdown(rows, links, args, command, plot,
                                                           load + [os.getloadavg()[0]]))

@@ -1,5 +1,5 @@
-"""A test file run again against the C kernels built without AVX-512, so that their scalar loops
-(the path on CPUs without it) are held to the same tests as the vector ones."""
+"""A test file run again against the C kernels built without AVX-512 (and without AVX2 too), so that
+the loops CPUs without them run are held to the same tests as the AVX-512 ones."""
 
 import os
 import shutil
@@ -11,14 +11,15 @@ import pytest
 SCALAR_BUILD = "HVD_SCALECOM_TEST_SCALAR_BUILD"  # set in the rerun: the kernels there are scalar
 
 
-def rerun_with_scalar_kernels(test_file, tmp_path):
-    """``pytest test_file`` in a subprocess whose compiler is a wrapper adding ``-mno-avx512f``,
-    building into an empty cache; asserts that every test passed there and one library was built."""
+def rerun_with_scalar_kernels(test_file, tmp_path, flags="-mno-avx512f"):
+    """``pytest test_file`` in a subprocess whose compiler is a wrapper adding ``flags`` (default:
+    ``-mno-avx512f``), building into an empty cache; asserts that every test passed there and one
+    library was built."""
     if os.environ.get(SCALAR_BUILD):
         pytest.skip("already the scalar build")
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     wrapper = tmp_path / "cc-no-avx512"
-    wrapper.write_text(f'#!/bin/sh\nexec "{compiler}" "$@" -mno-avx512f\n')
+    wrapper.write_text(f'#!/bin/sh\nexec "{compiler}" "$@" {flags}\n')
     wrapper.chmod(0o755)
     env = {**os.environ, "CC": str(wrapper), "HVD_SCALECOM_CACHE": str(tmp_path / "cache"), SCALAR_BUILD: "1"}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file)],

@@ -332,6 +332,8 @@ def test_a_missing_compiler_warns_and_falls_back_to_torch_operations(tmp_path):
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
 
 
-def test_the_scalar_build_gives_the_same_results(tmp_path):
-    """This file again, with the kernels built without AVX-512."""
-    rerun_with_scalar_kernels(__file__, tmp_path)
+@pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx512f -mno-avx2"])
+def test_the_scalar_build_gives_the_same_results(tmp_path, flags):
+    """This file again, with the kernels built without AVX-512 (their AVX2 loops, where the CPU has
+    AVX2), and without AVX2 either (plain C)."""
+    rerun_with_scalar_kernels(__file__, tmp_path, flags)

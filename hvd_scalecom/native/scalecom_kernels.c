@@ -19,7 +19,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -171,6 +171,40 @@ int64_t hsc_select(const float *restrict a, const float *restrict b, int64_t n, 
         c += __builtin_popcount(hit);
     }
     finite &= _mm512_reduce_max_epu32(widest) <= 0x7f7fffffu;  /* FLT_MAX's pattern */
+#elif defined(__AVX2__)
+    /* The same blocks with 8-entry vectors (CPUs without AVX-512); a vector's candidates are kept one
+     * by one (they are few). */
+    const __m256 vt = _mm256_set1_ps(t);
+    const __m256i abs_bits = _mm256_set1_epi32(0x7fffffff);
+    __m256i widest = _mm256_setzero_si256();
+    for (; i + SCAN_BLOCK <= n; i += SCAN_BLOCK) {
+        uint8_t hits[SCAN_BLOCK / 8];
+        uint64_t any = 0;
+        for (int v = 0; v < SCAN_BLOCK / 8; v++) {
+            const __m256 va = _mm256_loadu_ps(a + i + 8 * v);
+            const __m256 vb = b ? _mm256_loadu_ps(b + i + 8 * v) : _mm256_setzero_ps();
+            widest = _mm256_max_epu32(widest, _mm256_and_si256(_mm256_castps_si256(b ? vb : va), abs_bits));
+            const __m256 mag = _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(_mm256_add_ps(va, vb)), abs_bits));
+            hits[v] = (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(mag, vt, _CMP_GE_OQ));
+            any |= (uint64_t)(hits[v] != 0) << v;
+        }
+        for (; any; any &= any - 1) {
+            const int v = __builtin_ctzll(any);
+            for (unsigned hit = hits[v]; hit; hit &= hit - 1) {
+                const int64_t e = i + 8 * v + __builtin_ctz(hit);
+                if (c < cap) {
+                    const float ae = a[e];
+                    cand_idx[c] = (int32_t)e;
+                    cand_p[c] = b ? ae + b[e] : ae;
+                    cand_a[c] = ae;
+                }
+                c++;
+            }
+        }
+    }
+    uint32_t lanes[8];
+    _mm256_storeu_si256((__m256i *)lanes, widest);
+    for (int v = 0; v < 8; v++) finite &= lanes[v] <= 0x7f7fffffu;  /* FLT_MAX's pattern */
 #endif
     for (; i < n; i++) {
         float ai = a[i], bi = b ? b[i] : 0.0f, mag = fabsf(b ? ai + bi : ai);
@@ -299,6 +333,9 @@ static uint64_t marks64(const uint16_t *bits, int64_t i) {
     return w;
 }
 
+/* Whether entry i is in I (bits from hsc_mark). */
+static int marked_at(const uint16_t *bits, int64_t i) { return (bits[i >> 4] >> (i & 15)) & 1; }
+
 /* Steps 3-4 on a non-leader in one pass that writes the new memory over g, for a caller that adopts
  * g's buffer as the memory if the reduction is finite (and otherwise keeps m, which is only read):
  *   p_at = m[I] + g[I] (in index order), whether every g is finite (returned, 1 or 0),
@@ -331,10 +368,29 @@ int hsc_take_advancing(const float *restrict m, float *restrict g, int64_t n, fl
     }
     finite = bad == 0;
 #endif
+    /* Without AVX-512, by words: the marked entries are read first, then the word's 64 entries go
+     * through a loop the compiler vectorizes, then the marked ones are written. */
+    for (; i + 64 <= n; i += 64) {
+        const uint64_t word = marks64(bits, i);
+        float kept[64];
+        int c = 0, bad_lanes = 0;
+        for (uint64_t w = word; w; w &= w - 1, c++) {
+            const int64_t e = i + __builtin_ctzll(w);
+            p_at[j++] = m[e] + g[e];
+            kept[c] = keep * m[e];
+        }
+        for (int64_t e = i; e < i + 64; e++) {
+            bad_lanes |= !(fabsf(g[e]) <= FLT_MAX);
+            g[e] = fmaf(beta, g[e], m[e]);
+        }
+        finite &= !bad_lanes;
+        c = 0;
+        for (uint64_t w = word; w; w &= w - 1) g[i + __builtin_ctzll(w)] = kept[c++];
+    }
     for (; i < n; i++) {
         const float mi = m[i], gi = g[i];
         finite &= fabsf(gi) <= FLT_MAX;
-        if ((bits[i >> 4] >> (i & 15)) & 1) {
+        if (marked_at(bits, i)) {
             p_at[j++] = mi + gi;
             g[i] = keep * mi;
         } else {
@@ -372,7 +428,11 @@ void hsc_scatter_marked(float *restrict out, int64_t n, const uint16_t *restrict
     }
     if (stream) _mm_sfence();
 #endif
-    for (; i < n; i++) out[i] = ((bits[i >> 4] >> (i & 15)) & 1) ? values[j++] : 0.0f;
+    for (; i + 64 <= n; i += 64) {  /* without AVX-512: zeros by a vectorized loop, then the word's marks */
+        for (int64_t e = i; e < i + 64; e++) out[e] = 0.0f;
+        for (uint64_t w = marks64(bits, i); w; w &= w - 1) out[i + __builtin_ctzll(w)] = values[j++];
+    }
+    for (; i < n; i++) out[i] = marked_at(bits, i) ? values[j++] : 0.0f;
 }
 
 /* 1 if every x[i] is finite, else 0: one read-only pass, no branch per vector. */
@@ -426,8 +486,25 @@ int hsc_filter_scatter(float *restrict m, float *restrict g, int64_t n, float be
         }
     }
 #endif
+    /* Without AVX-512, by words: the marked entries' memory is read first, then the word's 64 entries
+     * go through loops the compiler vectorizes, then the marked ones are written. */
+    for (; i + 64 <= n; i += 64) {
+        const uint64_t word = marks64(bits, i);
+        float kept[64];
+        int c = 0;
+        for (uint64_t w = word; w; w &= w - 1) kept[c++] = keep * m[i + __builtin_ctzll(w)];
+        if (update)
+            for (int64_t e = i; e < i + 64; e++) m[e] = fmaf(beta, g[e], m[e]);
+        for (int64_t e = i; e < i + 64; e++) g[e] = 0.0f;
+        c = 0;
+        for (uint64_t w = word; w; w &= w - 1, c++) {
+            const int64_t e = i + __builtin_ctzll(w);
+            if (update) m[e] = kept[c];
+            g[e] = values[j++];
+        }
+    }
     for (; i < n; i++) {
-        const int at = (bits[i >> 4] >> (i & 15)) & 1;
+        const int at = marked_at(bits, i);
         if (update) m[i] = at ? keep * m[i] : fmaf(beta, g[i], m[i]);
         g[i] = at ? values[j++] : 0.0f;
     }
