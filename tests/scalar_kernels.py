@@ -2,7 +2,6 @@
 the loops CPUs without them run are held to the same tests as the AVX-512 ones."""
 
 import os
-import shutil
 import subprocess
 import sys
 
@@ -12,16 +11,13 @@ SCALAR_BUILD = "HVD_SCALECOM_TEST_SCALAR_BUILD"  # set in the rerun: the kernels
 
 
 def rerun_with_scalar_kernels(test_file, tmp_path, flags="-mno-avx512f"):
-    """``pytest test_file`` in a subprocess whose compiler is a wrapper adding ``flags`` (default:
-    ``-mno-avx512f``), building into an empty cache; asserts that every test passed there and one
-    library was built."""
+    """``pytest test_file`` in a subprocess whose kernels are built with ``flags`` added (default:
+    ``-mno-avx512f``; ``HVD_SCALECOM_CFLAGS``) into an empty cache; asserts that every test passed
+    there and one library was built."""
     if os.environ.get(SCALAR_BUILD):
         pytest.skip("already the scalar build")
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    wrapper = tmp_path / "cc-no-avx512"
-    wrapper.write_text(f'#!/bin/sh\nexec "{compiler}" "$@" {flags}\n')
-    wrapper.chmod(0o755)
-    env = {**os.environ, "CC": str(wrapper), "HVD_SCALECOM_CACHE": str(tmp_path / "cache"), SCALAR_BUILD: "1"}
+    env = {**os.environ, "HVD_SCALECOM_CFLAGS": flags, "HVD_SCALECOM_CACHE": str(tmp_path / "cache"),
+           SCALAR_BUILD: "1"}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]

@@ -2,7 +2,8 @@
 (``sketch_kernels.c``) in C, called through ctypes on raw pointers.
 
 The sources ship with the package and are compiled at first use with the system C compiler
-(``$CC``, else ``cc``/``gcc``; ``-O3 -march=native``) into one library in ``$HVD_SCALECOM_CACHE``
+(``$CC``, else ``cc``/``gcc``; ``-O3 -march=native``, then any of ``$HVD_SCALECOM_CFLAGS``, e.g.
+``-mno-avx512f`` to build the loops of CPUs without AVX-512) into one library in ``$HVD_SCALECOM_CACHE``
 (default ``~/.cache/hvd_scalecom/native``), keyed by the sources, the flags, the compiler and the CPU's
 features, so that processes starting together or nodes sharing a home directory never load a
 library built for another CPU. :func:`library` returns None (and warns once) where no compiler
@@ -80,11 +81,12 @@ def _build():
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler found (set CC)")
+    flags = FLAGS + os.environ.get("HVD_SCALECOM_CFLAGS", "").split()
     sources = []
     for path in SOURCE_PATHS:
         with open(path, "rb") as f:
             sources.append(f.read())
-    key = hashlib.sha256(b"\0".join([*sources, " ".join(FLAGS).encode(), os.path.realpath(compiler).encode(),
+    key = hashlib.sha256(b"\0".join([*sources, " ".join(flags).encode(), os.path.realpath(compiler).encode(),
                                      _cpu_features().encode()])).hexdigest()[:20]
     cache = os.environ.get("HVD_SCALECOM_CACHE",
                            os.path.join(os.path.expanduser("~"), ".cache", "hvd_scalecom", "native"))
@@ -95,7 +97,7 @@ def _build():
     fd, partial = tempfile.mkstemp(prefix=".building_", suffix=".so", dir=cache)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, "-o", partial, *SOURCE_PATHS, "-lm"],
+        done = subprocess.run([compiler, *flags, "-o", partial, *SOURCE_PATHS, "-lm"],
                               capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")

@@ -336,6 +336,25 @@ static uint64_t marks64(const uint16_t *bits, int64_t i) {
 /* Whether entry i is in I (bits from hsc_mark). */
 static int marked_at(const uint16_t *bits, int64_t i) { return (bits[i >> 4] >> (i & 15)) & 1; }
 
+/* The 64 entries of out from i (a word of the bitmap): zeros by a loop the compiler vectorizes, then
+ * the next values (from *j on) at the word's marks. */
+static inline void scatter_word(float *restrict out, int64_t i, uint64_t word, const float *restrict values,
+                                int64_t *j) {
+    for (int64_t e = i; e < i + 64; e++) out[e] = 0.0f;
+    for (; word; word &= word - 1) out[i + __builtin_ctzll(word)] = values[(*j)++];
+}
+
+#ifdef __AVX512F__
+/* The 16 entries from bit q of a bitmap word: zeros, and the next values (from *j on) at the marks. */
+static inline __m512 marked_values(uint64_t word, int q, const float *values, int64_t *j) {
+    const __mmask16 at = (__mmask16)(word >> q);
+    const int c = __builtin_popcount(at);
+    const __m512 v = _mm512_maskz_expand_ps(at, _mm512_maskz_loadu_ps((__mmask16)((1u << c) - 1), values + *j));
+    *j += c;
+    return v;
+}
+#endif
+
 /* Steps 3-4 on a non-leader in one pass that writes the new memory over g, for a caller that adopts
  * g's buffer as the memory if the reduction is finite (and otherwise keeps m, which is only read):
  *   p_at = m[I] + g[I] (in index order), whether every g is finite (returned, 1 or 0),
@@ -413,13 +432,7 @@ void hsc_scatter_marked(float *restrict out, int64_t n, const uint16_t *restrict
     for (; i + 64 <= n; i += 64) {
         const uint64_t word = marks64(bits, i);
         for (int q = 0; q < 64; q += 16) {
-            __m512 v = _mm512_setzero_ps();
-            if (word) {
-                const __mmask16 at = (__mmask16)(word >> q);
-                const int c = __builtin_popcount(at);
-                v = _mm512_maskz_expand_ps(at, _mm512_maskz_loadu_ps((__mmask16)((1u << c) - 1), values + j));
-                j += c;
-            }
+            const __m512 v = word ? marked_values(word, q, values, &j) : _mm512_setzero_ps();
             if (stream)
                 _mm512_stream_ps(out + i + q, v);
             else
@@ -428,10 +441,7 @@ void hsc_scatter_marked(float *restrict out, int64_t n, const uint16_t *restrict
     }
     if (stream) _mm_sfence();
 #endif
-    for (; i + 64 <= n; i += 64) {  /* without AVX-512: zeros by a vectorized loop, then the word's marks */
-        for (int64_t e = i; e < i + 64; e++) out[e] = 0.0f;
-        for (uint64_t w = marks64(bits, i); w; w &= w - 1) out[i + __builtin_ctzll(w)] = values[j++];
-    }
+    for (; i + 64 <= n; i += 64) scatter_word(out, i, marks64(bits, i), values, &j);  /* without AVX-512 */
     for (; i < n; i++) out[i] = marked_at(bits, i) ? values[j++] : 0.0f;
 }
 
@@ -469,20 +479,13 @@ int hsc_filter_scatter(float *restrict m, float *restrict g, int64_t n, float be
     for (; i + 64 <= n; i += 64) {
         const uint64_t word = marks64(bits, i);
         for (int q = 0; q < 64; q += 16) {
-            __m512 out = _mm512_setzero_ps();
             if (update) {
                 const __m512 vm = _mm512_loadu_ps(m + i + q);
                 __m512 t = _mm512_fmadd_ps(vbeta, _mm512_loadu_ps(g + i + q), vm);
                 if (word) t = _mm512_mask_mul_ps(t, (__mmask16)(word >> q), vkeep, vm);
                 _mm512_storeu_ps(m + i + q, t);
             }
-            if (word) {
-                const __mmask16 at = (__mmask16)(word >> q);
-                const int c = __builtin_popcount(at);
-                out = _mm512_maskz_expand_ps(at, _mm512_maskz_loadu_ps((__mmask16)((1u << c) - 1), values + j));
-                j += c;
-            }
-            _mm512_storeu_ps(g + i + q, out);
+            _mm512_storeu_ps(g + i + q, word ? marked_values(word, q, values, &j) : _mm512_setzero_ps());
         }
     }
 #endif
@@ -493,15 +496,12 @@ int hsc_filter_scatter(float *restrict m, float *restrict g, int64_t n, float be
         float kept[64];
         int c = 0;
         for (uint64_t w = word; w; w &= w - 1) kept[c++] = keep * m[i + __builtin_ctzll(w)];
-        if (update)
+        if (update) {
             for (int64_t e = i; e < i + 64; e++) m[e] = fmaf(beta, g[e], m[e]);
-        for (int64_t e = i; e < i + 64; e++) g[e] = 0.0f;
-        c = 0;
-        for (uint64_t w = word; w; w &= w - 1, c++) {
-            const int64_t e = i + __builtin_ctzll(w);
-            if (update) m[e] = kept[c];
-            g[e] = values[j++];
+            c = 0;
+            for (uint64_t w = word; w; w &= w - 1) m[i + __builtin_ctzll(w)] = kept[c++];
         }
+        scatter_word(g, i, word, values, &j);
     }
     for (; i < n; i++) {
         const int at = marked_at(bits, i);
