@@ -9,9 +9,10 @@ One thread (as each Horovod worker here), fp32 gradient ``g`` and residue memory
 * floor: ``m.add_(g, alpha=beta)``, one pass reading g and m and writing m (12 bytes per entry),
   the least any error-feedback scheme must do;
 * leader / non-leader: the ``clt_k`` calls ``ScaleCom.compress`` and ``decompress`` make for one
-  tensor, without the communication. The leader: ``select_and_take`` (threshold top-k with ``m[I]``,
-  ``p[I]`` and the finiteness of g, one read-only pass), then ``filter_and_scatter_`` (the memory
-  update and the reduced values written over zeros into g, one pass in place). A non-leader, on
+  tensor, without the communication. The leader: ``select_and_take`` (threshold top-k with ``p[I]``
+  and the finiteness of g, one read-only pass), then ``filter_and_scatter_`` (the memory update and
+  the reduced values written over zeros into g, one pass in place, I found again from the
+  selection's cut). A non-leader, on
   tensors of ``clt_k._ADVANCE_MIN_NUMEL`` entries or more: ``take_advancing_`` (the new memory
   written over g as m and g are read), then ``filter_and_scatter_advanced`` (the buffers traded,
   the reduced values written over zeros into the old memory's); on smaller ones, and in the *in
@@ -82,19 +83,19 @@ def measure(numel, ratio, rounds, with_exact=True):
     marks = clt_k.Marks(numel)  # kept by ScaleCom per parameter, from compress to decompress
 
     def leader(selection="threshold"):
-        indices, memory_at, values, finite = clt_k.select_and_take(m, g, k, selection, scratch=scratch)
+        indices, taken = clt_k.select_and_take(m, g, k, selection, scratch=scratch)
         indices.to(torch.int32)  # the broadcast buffer
-        return clt_k.filter_and_scatter_(m, g, indices, values, memory_at, values, values, BETA)
+        return clt_k.filter_and_scatter_(m, g, indices, taken.values, taken, taken.values, BETA)
 
     def non_leader(received=received, in_place=False):
         """As ScaleCom does on a rank that did not select (the buffers of m and g traded where
         ``may_advance``; ``m`` and ``g`` are restored before every call, whichever buffer is which)."""
         if not in_place and clt_k.may_advance(m, g):  # the int32 indices as received
-            values, finite = clt_k.take_advancing_(m, g, received, BETA, marks)
-            return clt_k.filter_and_scatter_advanced(m, g, received, values, values, values, BETA, marks)
+            taken = clt_k.take_advancing_(m, g, received, BETA, marks)
+            return clt_k.filter_and_scatter_advanced(m, g, received, taken.values, taken, taken.values, BETA, marks)
         indices = received.to(torch.int64)
-        memory_at, values, finite = clt_k.take_checking(m, g, indices)
-        return clt_k.filter_and_scatter_(m, g, indices, values, memory_at, values, values, BETA)
+        taken = clt_k.take_checking(m, g, indices)
+        return clt_k.filter_and_scatter_(m, g, indices, taken.values, taken, taken.values, BETA)
 
     def with_torch_operations(run, *args):
         def wrapped():
@@ -174,9 +175,10 @@ def markdown(rows, command, load, figure=None):
         "is timed right after an untimed call of the same variant, the floor's included.",
         "*Leader* and *non-leader* are the `clt_k` calls `ScaleCom.compress` + `decompress` make for one",
         "tensor, without the communication, by default with the C kernels of `hvd_scalecom.native`.",
-        "The leader: compress is one read-only pass (the threshold selection takes `m[I]`, `p[I]` and",
-        "checks that g is finite as it reads m and g), decompress one pass in place (the memory update,",
-        "and the reduced values written over zeros into g). A non-leader, on tensors of 2^19 entries or",
+        "The leader: compress is one read-only pass (the threshold selection takes `p[I]` and checks",
+        "that g is finite as it reads m and g), decompress one pass in place (the memory update, and the",
+        "reduced values written over zeros into g; I found again from `|m + g|` and the selection's",
+        "k-th magnitude, no index read). A non-leader, on tensors of 2^19 entries or",
         "more: compress is one pass that reads m and g, checks g, takes `m[I]`, `p[I]` and writes the new",
         "memory over g; decompress writes the reduced values over zeros into m's buffer (streaming",
         "stores from 2^22 entries on), and the two",

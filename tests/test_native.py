@@ -38,13 +38,12 @@ def reference(memory, grad, indices, reduced, beta=BETA):
 
 
 def run_both_steps(memory, grad, indices, taken, reduced_of, sent_dtype=None):
-    """compress's taken (m[I], p[I], finite), then decompress's filter_and_scatter_, as the compressor
-    calls them; returns the reduced values."""
-    memory_at, values, finite = taken
-    sent = values if sent_dtype is None else values.to(sent_dtype)
-    reduced = reduced_of(values)
-    updated = clt_k.filter_and_scatter_(memory, grad, indices, reduced, memory_at, values, sent, BETA)
-    return finite, updated, reduced
+    """compress's taken (a clt_k.Taken), then decompress's filter_and_scatter_, as the compressor
+    calls them; returns (finite, updated, the reduced values)."""
+    sent = taken.values if sent_dtype is None else taken.values.to(sent_dtype)
+    reduced = reduced_of(taken.values)
+    updated = clt_k.filter_and_scatter_(memory, grad, indices, reduced, taken, sent, BETA)
+    return taken.finite, updated, reduced
 
 
 @pytest.mark.parametrize("numel", [70_001, 1 << 20, 1_000_003])
@@ -54,11 +53,11 @@ def test_leader_steps_equal_top_k_and_the_torch_memory_update(numel, ratio):
     k = max(1, round(ratio * numel))
     exact = torch.topk((memory + grad).abs(), k).indices.sort().values
     new, new_grad, kept, values = reference(memory, grad, exact, 0.5 * (memory + grad)[exact])
-    indices, at, taken, finite = clt_k.select_and_take(memory, grad, k, "threshold")
-    assert finite
+    indices, taken = clt_k.select_and_take(memory, grad, k, "threshold")
+    assert taken.finite and taken.cut.ties == -1  # decompress finds I again: |p| >= kth
     assert torch.equal(indices, exact)  # ascending
-    assert torch.equal(at, kept) and torch.equal(taken, values)
-    _, updated, _ = run_both_steps(memory, grad, indices, (at, taken, finite), lambda v: 0.5 * v)
+    assert torch.equal(clt_k.memory_at(memory, indices, taken), kept) and torch.equal(taken.values, values)
+    _, updated, _ = run_both_steps(memory, grad, indices, taken, lambda v: 0.5 * v)
     assert updated
     assert torch.equal(memory, new) and torch.equal(grad, new_grad)
 
@@ -74,9 +73,9 @@ def test_non_leader_steps_in_any_order_and_with_tails(order, tail, index_dtype):
     indices = (indices.sort().values if order == "ascending" else indices).to(index_dtype)
     reduced = torch.randn(3000, generator=torch.Generator().manual_seed(3))
     new, new_grad, kept, values = reference(memory, grad, indices.long(), reduced)
-    at, taken, finite = clt_k.take_checking(memory, grad, indices)
-    assert finite and torch.equal(at, kept) and torch.equal(taken, values)  # in the order asked for
-    _, updated, _ = run_both_steps(memory, grad, indices, (at, taken, finite), lambda v: reduced)
+    taken = clt_k.take_checking(memory, grad, indices)
+    assert taken.finite and torch.equal(taken.memory_at, kept) and torch.equal(taken.values, values)  # in order
+    _, updated, _ = run_both_steps(memory, grad, indices, taken, lambda v: reduced)
     assert updated and torch.equal(memory, new) and torch.equal(grad, new_grad)
 
 
@@ -88,8 +87,8 @@ def test_repeated_indices_in_place_give_what_torch_operations_give():
     for use_torch in (False, True):
         m, g = memory.clone(), grad.clone()
         with torch_operations() if use_torch else contextlib.nullcontext():
-            at, taken, finite = clt_k.take_checking(m, g, indices)
-            assert clt_k.filter_and_scatter_(m, g, indices, reduced, at, taken, taken, BETA)
+            taken = clt_k.take_checking(m, g, indices)
+            assert clt_k.filter_and_scatter_(m, g, indices, reduced, taken, taken.values, BETA)
         results.append((m, g))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     assert results[0][1][7] == 1.0 and results[0][1][300] == 2.0 and results[0][1].count_nonzero() == 3
@@ -98,11 +97,11 @@ def test_repeated_indices_in_place_give_what_torch_operations_give():
 def advance_both_steps(memory, grad, indices, reduced_of, sent_dtype=None, marks=None):
     """take_advancing_, then filter_and_scatter_advanced, as the compressor calls them on a rank that
     did not select: returns (p[I], finite, gradient, memory, updated)."""
-    values, finite = clt_k.take_advancing_(memory, grad, indices, BETA, marks)
-    sent = values if sent_dtype is None else values.to(sent_dtype)
-    out, new_memory, updated = clt_k.filter_and_scatter_advanced(memory, grad, indices, reduced_of(values), values,
-                                                                 sent, BETA, marks)
-    return values, finite, out, new_memory, updated
+    taken = clt_k.take_advancing_(memory, grad, indices, BETA, marks)
+    sent = taken.values if sent_dtype is None else taken.values.to(sent_dtype)
+    out, new_memory, updated = clt_k.filter_and_scatter_advanced(memory, grad, indices, reduced_of(taken.values),
+                                                                 taken, sent, BETA, marks)
+    return taken.values, taken.finite, out, new_memory, updated
 
 
 @pytest.mark.parametrize("order", ["ascending", "shuffled"])
@@ -133,16 +132,21 @@ def test_advancing_pass_equals_the_in_place_passes_with_the_buffers_traded(order
     assert torch.equal(new_memory, new) and new_memory.data_ptr() == grad_buffer
 
 
-@pytest.mark.parametrize("path", ["in place", "traded buffers"])
+@pytest.mark.parametrize("path", ["in place", "traded buffers", "leader"])
 def test_fp16_values_keep_their_rounding_error_in_the_memory(path):
     numel = 200_000
     memory, grad = inputs(numel, seed=5)
     reference_memory, reference_grad = memory.clone(), grad.clone()
-    indices = torch.arange(0, numel, 97)
+    if path == "leader":  # I found again from the selection's cut
+        indices, taken = clt_k.select_and_take(memory, grad, 2_000, "threshold")
+        assert taken.cut is not None
+    else:
+        indices = torch.arange(0, numel, 97)
     at, values = clt_k.take(reference_memory, reference_grad, indices)
     clt_k.filter_memory_(reference_memory, reference_grad, indices, at, values, values.to(torch.float16), BETA)
-    if path == "in place":
-        taken = clt_k.take_checking(memory, grad, indices)
+    if path != "traded buffers":
+        if path == "in place":
+            taken = clt_k.take_checking(memory, grad, indices)
         _, updated, _ = run_both_steps(memory, grad, indices, taken, lambda v: v.to(torch.float16), torch.float16)
     else:
         *_, memory, updated = advance_both_steps(memory, grad, indices, lambda v: v.to(torch.float16),
@@ -210,13 +214,13 @@ def test_ties_zeros_and_fallbacks_still_give_an_exact_top_k():
     numel = 100_000
     ties = torch.ones(numel)
     ties[::7] = 2.0
-    indices, _, _, _ = clt_k.select_and_take(ties, torch.zeros(numel), 1000, "threshold")
+    indices, _ = clt_k.select_and_take(ties, torch.zeros(numel), 1000, "threshold")
     assert torch.equal(indices, torch.arange(0, 7000, 7))  # ties go to the lowest indices
     zeros = torch.zeros(numel)
     zeros[5] = 3.0
-    indices, at, taken, finite = clt_k.select_and_take(zeros, torch.zeros(numel), 10, "threshold")
-    assert finite and 5 in indices.tolist() and taken.abs().sum() == 3.0  # t = 0: the full top-k
-    assert torch.equal(at, zeros[indices])
+    indices, taken = clt_k.select_and_take(zeros, torch.zeros(numel), 10, "threshold")
+    assert taken.finite and 5 in indices.tolist() and taken.values.abs().sum() == 3.0  # t = 0: the full top-k
+    assert taken.cut is None and torch.equal(taken.memory_at, zeros[indices])
 
 
 def exact_lowest_on_ties(p, k):
@@ -237,9 +241,36 @@ def test_the_radix_selection_of_the_k_th_magnitude_is_exact(case):
         p[torch.randint(0, numel, (300,), generator=gen)] = -float("inf")
     else:  # subnormals to 1e30: the bit patterns span most of the float range
         p = torch.randn(numel, generator=gen) * torch.pow(10.0, torch.randint(-44, 30, (numel,), generator=gen).float())
-    indices, at, taken, _ = clt_k.select_and_take(p, torch.zeros(numel), k, "threshold")
-    assert torch.equal(indices, exact_lowest_on_ties(p, k))
-    assert torch.equal(at, p[indices]) and torch.equal(taken, p[indices])
+    memory = p.clone()
+    indices, taken = clt_k.select_and_take(memory, torch.zeros(numel), k, "threshold")
+    assert torch.equal(indices, exact_lowest_on_ties(p, k)) and torch.equal(taken.values, p[indices])
+    if case == "few distinct values":  # some of the entries at the k-th magnitude only: counted in the pass
+        assert taken.cut.ties > 0
+    # decompress finds the same I from the cut, ties included: as the torch operations on these indices
+    reduced = torch.arange(k, dtype=torch.float32)  # finite, also where p is infinite
+    new, new_grad, _, _ = reference(p, torch.zeros(numel), indices, reduced)
+    grad = torch.zeros(numel)
+    assert clt_k.filter_and_scatter_(memory, grad, indices, reduced, taken, taken.values, BETA)
+    assert torch.equal(memory, new) and torch.equal(grad, new_grad)
+
+
+def test_a_gradient_changed_in_place_after_the_selection_is_scattered_by_its_indices():
+    """E.g. clipped before the optimizer's synchronize(): the version counter tells, and I is then
+    read from the indices (as on a non-leader); a change that the counter misses is an error."""
+    memory, grad = inputs(100_000, seed=12)
+    indices, taken = clt_k.select_and_take(memory, grad, 1000, "threshold")
+    reduced = torch.arange(1000, dtype=torch.float32)
+    m, g = memory.clone(), grad.clone()
+    g[indices[0]] = -m[indices[0]]  # |p| = 0 there: the cut would find k - 1 entries
+    new, new_grad, _, _ = reference(m, g, indices, reduced)
+    grad[indices[0]] = -memory[indices[0]]  # in place: the version counter moves
+    assert clt_k.filter_and_scatter_(memory, grad, indices, reduced, taken, taken.values, BETA)
+    assert torch.equal(grad, new_grad) and torch.equal(memory, new)
+    memory, grad = inputs(100_000, seed=12)
+    indices, taken = clt_k.select_and_take(memory, grad, 1000, "threshold")
+    grad.data[indices[0]] = -memory[indices[0]]  # through .data: the counter stays
+    with pytest.raises(RuntimeError, match="changed between compress and decompress"):
+        clt_k.filter_and_scatter_(memory, grad, indices, reduced, taken, taken.values, BETA)
 
 
 @pytest.mark.parametrize("where", [0, 17, 99_999])
@@ -247,9 +278,9 @@ def test_the_radix_selection_of_the_k_th_magnitude_is_exact(case):
 def test_a_non_finite_gradient_is_reported(where, bad):
     memory, grad = inputs(100_000, seed=4)
     grad[where] = bad
-    assert not clt_k.select_and_take(memory, grad, 1000, "threshold")[3]
-    assert not clt_k.take_checking(memory, grad, torch.arange(10))[2]
-    assert not clt_k.take_checking(memory, grad, torch.arange(10, 0, -1))[2]
+    assert not clt_k.select_and_take(memory, grad, 1000, "threshold")[1].finite
+    assert not clt_k.take_checking(memory, grad, torch.arange(10)).finite
+    assert not clt_k.take_checking(memory, grad, torch.arange(10, 0, -1)).finite
 
 
 def test_a_non_finite_reduction_leaves_the_memory_and_still_writes_the_gradient():
@@ -257,7 +288,8 @@ def test_a_non_finite_reduction_leaves_the_memory_and_still_writes_the_gradient(
     before = memory.clone()
     indices = torch.tensor([3, 50, 99_998])
     reduced = torch.tensor([1.0, float("nan"), 2.0])
-    assert not clt_k.filter_and_scatter_(memory, grad, indices, reduced, memory[indices], reduced, reduced, BETA)
+    taken = clt_k.Taken(reduced, True, memory[indices])
+    assert not clt_k.filter_and_scatter_(memory, grad, indices, reduced, taken, reduced, BETA)
     assert torch.equal(memory, before)
     expected = torch.zeros(100_000)
     expected[indices] = reduced
@@ -270,15 +302,15 @@ def test_bad_indices_raise_before_anything_is_written():
     with pytest.raises(IndexError, match=r"indices must lie in \[0, 10000\)"):
         clt_k.take_checking(memory, grad, torch.tensor([5, 10_000]))
     with pytest.raises(IndexError, match="indices must lie"):
-        clt_k.filter_and_scatter_(memory, grad, torch.tensor([-1, 4]), torch.ones(2), torch.ones(2), torch.ones(2),
-                                  torch.ones(2), BETA)
+        clt_k.filter_and_scatter_(memory, grad, torch.tensor([-1, 4]), torch.ones(2),
+                                  clt_k.Taken(torch.ones(2), True, torch.ones(2)), torch.ones(2), BETA)
     assert torch.equal(grad, grad_before) and torch.equal(memory, memory_before)
 
 
 def test_disabled_by_the_environment_variable():
     code = ("import torch; from hvd_scalecom import native; from hvd_scalecom.torch import clt_k; "
             "assert native.library() is None; "
-            "assert clt_k.take_checking(torch.zeros(4), torch.zeros(4), torch.tensor([1]))[2]")
+            "assert clt_k.take_checking(torch.zeros(4), torch.zeros(4), torch.tensor([1])).finite")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ,
                                                                  "HVD_SCALECOM_NATIVE": "0"})
 
@@ -290,8 +322,8 @@ def test_torch_operations_within_a_block_give_the_kernels_floats():
         m, g = memory.clone(), grad.clone()
         with block():
             assert (native.library() is None) == (block is native.torch_operations)
-            indices, at, values, finite = clt_k.select_and_take(m, g, 2000, "threshold")
-            clt_k.filter_and_scatter_(m, g, indices, 0.5 * values, at, values, values, BETA)
+            indices, taken = clt_k.select_and_take(m, g, 2000, "threshold")
+            clt_k.filter_and_scatter_(m, g, indices, 0.5 * taken.values, taken, taken.values, BETA)
         results.append((indices.sort().values, m, g))
     assert native.library() is not None  # enabled again after the block
     assert all(torch.equal(a, b) for a, b in zip(*results))
@@ -313,7 +345,7 @@ def test_processes_building_at_once_into_an_empty_cache_all_load_one_library(tmp
     code = ("import torch, warnings; warnings.simplefilter('error'); from hvd_scalecom import native; "
             "from hvd_scalecom.torch import clt_k; assert native.library() is not None; "
             "m, g = torch.zeros(100), torch.ones(100); "
-            "assert clt_k.take_checking(m, g, torch.tensor([3]))[1].item() == 1.0")
+            "assert clt_k.take_checking(m, g, torch.tensor([3])).values.item() == 1.0")
     env = {**os.environ, "HVD_SCALECOM_CACHE": str(tmp_path)}
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env) for _ in range(3)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
@@ -327,7 +359,7 @@ def test_a_missing_compiler_warns_and_falls_back_to_torch_operations(tmp_path):
             "    warnings.simplefilter('always')\n"
             "    assert native.library() is None\n"
             "assert 'C kernels are unavailable' in str(caught[0].message)\n"
-            "assert clt_k.take_checking(torch.zeros(4), torch.ones(4), torch.tensor([1]))[1].item() == 1.0")
+            "assert clt_k.take_checking(torch.zeros(4), torch.ones(4), torch.tensor([1])).values.item() == 1.0")
     env = {**os.environ, "HVD_SCALECOM_CACHE": str(tmp_path), "CC": "no-such-compiler", "PATH": str(tmp_path)}
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
 

@@ -111,11 +111,13 @@ def _build():
 def _declare(lib):
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     lib.hsc_select.restype = i64
-    lib.hsc_select.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr]
+    lib.hsc_select.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr]
     lib.hsc_take.restype = i32
     lib.hsc_take.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, i32]
     lib.hsc_filter_scatter.restype = i32
     lib.hsc_filter_scatter.argtypes = [ptr, ptr, i64, f32, f32, ptr, i32, i64, ptr, ptr]
+    lib.hsc_filter_scatter_cut.restype = i32
+    lib.hsc_filter_scatter_cut.argtypes = [ptr, ptr, i64, f32, f32, f32, i64, i64, ptr]
     lib.hsc_mark.restype = i32
     lib.hsc_mark.argtypes = [ptr, i32, i64, i64, ptr]
     lib.hsc_take_advancing.restype = i32

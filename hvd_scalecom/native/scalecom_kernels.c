@@ -5,6 +5,7 @@
  * hsc_take:                m[I], p[I] and finiteness on a non-leader (step 3): one read-only pass.
  * hsc_mark:                the set I as a bitmap, for the passes below.
  * hsc_filter_scatter:      the memory update and the reduced values into g (steps 4-5): one pass in place.
+ * hsc_filter_scatter_cut:  the same on the leader, I found again from its selection's threshold.
  * hsc_take_advancing:      step 3 on a non-leader and step 4 written over g (the new memory, adopted
  *                          if the reduction is finite): one pass, in place over g.
  * hsc_scatter_marked:      step 5 into a buffer that is not read (zeros with the values at I).
@@ -46,14 +47,13 @@ static inline __m512 magnitude(__m512 va, __m512 vb) {
     return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(p), _mm512_set1_epi32(0x7fffffff)));
 }
 
-/* Appends the lanes of entries i..i+16 set in hit to the candidates at c: index (int32: n < 2^31),
- * a + b (b zero when NULL) and a. Whole-vector stores: the buffers hold 16 entries of slack. */
+/* Appends the lanes of entries i..i+16 set in hit to the candidates at c: index (int32: n < 2^31)
+ * and a + b (b zero when NULL). Whole-vector stores: the buffers hold 16 entries of slack. */
 static inline void keep_candidates(const float *a, const float *b, int64_t i, __mmask16 hit, int64_t c,
-                                   int32_t *cand_idx, float *cand_p, float *cand_a) {
+                                   int32_t *cand_idx, float *cand_p) {
     const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512 va = _mm512_loadu_ps(a + i), vb = b ? _mm512_loadu_ps(b + i) : _mm512_setzero_ps();
     _mm512_storeu_ps(cand_p + c, _mm512_maskz_compress_ps(hit, _mm512_add_ps(va, vb)));
-    _mm512_storeu_ps(cand_a + c, _mm512_maskz_compress_ps(hit, va));
     _mm512_storeu_si512((void *)(cand_idx + c),
                         _mm512_maskz_compress_epi32(hit, _mm512_add_epi32(_mm512_set1_epi32((int32_t)i), lanes)));
 }
@@ -112,19 +112,22 @@ static float kth_largest(float *x, int64_t n, int64_t r) {
 }
 
 /* Exact top-k of |a + b| (b may be NULL: |a|) into out_idx[0..k) in ascending index order, with
- * a_at = a[I] and p_at = a[I] + b[I] (steps 2-3 on the leader): the threshold t is the rank-th largest
- * magnitude at the sample positions (NaN counted as 0); one read-only pass collects the candidates
- * |a + b| >= t (index, a + b, a) and checks that every b (a when b is NULL) is finite
- * (*finite_out); the k largest are picked among the candidates, ties at the k-th magnitude going to
- * the lowest indices. Returns k; -1 when t is not positive (before the pass) or fewer than k reach it
- * (the caller falls back to a full top-k); -2 when more than cap do (retry with more room). NaN
- * entries are never selected. cand_* hold cap + 16 entries (whole-vector stores), scratch
- * max(cap, s); n < 2^31 (the candidates' indices are int32, widened to int64 in out_idx). */
+ * p_at = a[I] + b[I] (steps 2-3 on the leader): the threshold t is the rank-th largest magnitude at
+ * the sample positions (NaN counted as 0); one read-only pass collects the candidates |a + b| >= t
+ * (index, a + b) and checks that every b (a when b is NULL) is finite (*finite_out); the k largest
+ * are picked among the candidates, ties at the k-th magnitude going to the lowest indices. I is then
+ * the cut (*kth_out, *ties_out): the entries with |a + b| > kth, and the first ties (in index order)
+ * of those with |a + b| == kth (ties = -1: all of them, I being |a + b| >= kth, the usual case),
+ * which hsc_filter_scatter_cut finds again. Returns k; -1 when t is not positive (before the pass)
+ * or fewer than k reach it (the caller falls back to a full top-k); -2 when more than cap do (retry
+ * with more room). NaN entries are never selected. cand_idx and cand_p hold cap + 16 entries
+ * (whole-vector stores), scratch max(cap, s); n < 2^31 (the candidates' indices are int32, widened
+ * to int64 in out_idx). */
 int64_t hsc_select(const float *restrict a, const float *restrict b, int64_t n, int64_t k,
                    const int64_t *sample, int64_t s, int64_t rank, int32_t *restrict cand_idx,
-                   float *restrict cand_p, float *restrict cand_a, int64_t cap,
-                   float *restrict scratch, int64_t *restrict out_idx, float *restrict a_at,
-                   float *restrict p_at, int *finite_out) {
+                   float *restrict cand_p, int64_t cap, float *restrict scratch,
+                   int64_t *restrict out_idx, float *restrict p_at, int *finite_out, float *kth_out,
+                   int64_t *ties_out) {
     for (int64_t i = 0; i < s; i++) {
         if (i + AHEAD < s) {
             __builtin_prefetch(a + sample[i + AHEAD], 0, 0);
@@ -158,7 +161,7 @@ int64_t hsc_select(const float *restrict a, const float *restrict b, int64_t n, 
         }
         for (; any; any &= any - 1) {
             const int v = __builtin_ctz(any);
-            if (c <= cap) keep_candidates(a, b, i + 16 * v, hits[v], c, cand_idx, cand_p, cand_a);
+            if (c <= cap) keep_candidates(a, b, i + 16 * v, hits[v], c, cand_idx, cand_p);
             c += __builtin_popcount(hits[v]);
         }
     }
@@ -167,7 +170,7 @@ int64_t hsc_select(const float *restrict a, const float *restrict b, int64_t n, 
         const __m512 vb = b ? _mm512_loadu_ps(b + i) : _mm512_setzero_ps();
         widest = _mm512_max_epu32(widest, _mm512_and_si512(_mm512_castps_si512(b ? vb : va), abs_bits));
         const __mmask16 hit = _mm512_cmp_ps_mask(magnitude(va, vb), vt, _CMP_GE_OQ);
-        if (hit && c <= cap) keep_candidates(a, b, i, hit, c, cand_idx, cand_p, cand_a);
+        if (hit && c <= cap) keep_candidates(a, b, i, hit, c, cand_idx, cand_p);
         c += __builtin_popcount(hit);
     }
     finite &= _mm512_reduce_max_epu32(widest) <= 0x7f7fffffu;  /* FLT_MAX's pattern */
@@ -193,10 +196,8 @@ int64_t hsc_select(const float *restrict a, const float *restrict b, int64_t n, 
             for (unsigned hit = hits[v]; hit; hit &= hit - 1) {
                 const int64_t e = i + 8 * v + __builtin_ctz(hit);
                 if (c < cap) {
-                    const float ae = a[e];
                     cand_idx[c] = (int32_t)e;
-                    cand_p[c] = b ? ae + b[e] : ae;
-                    cand_a[c] = ae;
+                    cand_p[c] = b ? a[e] + b[e] : a[e];
                 }
                 c++;
             }
@@ -210,7 +211,7 @@ int64_t hsc_select(const float *restrict a, const float *restrict b, int64_t n, 
         float ai = a[i], bi = b ? b[i] : 0.0f, mag = fabsf(b ? ai + bi : ai);
         finite &= fabsf(checked[i]) <= FLT_MAX;
         if (mag >= t) {
-            if (c < cap) { cand_idx[c] = (int32_t)i; cand_p[c] = b ? ai + bi : ai; cand_a[c] = ai; }
+            if (c < cap) { cand_idx[c] = (int32_t)i; cand_p[c] = b ? ai + bi : ai; }
             c++;
         }
     }
@@ -219,9 +220,14 @@ int64_t hsc_select(const float *restrict a, const float *restrict b, int64_t n, 
     if (c > cap) return -2;
     for (int64_t q = 0; q < c; q++) scratch[q] = fabsf(cand_p[q]);
     const float kth = kth_largest(scratch, c, k);
-    int64_t above = 0;
-    for (int64_t q = 0; q < c; q++) above += fabsf(cand_p[q]) > kth;
+    int64_t above = 0, equal = 0;
+    for (int64_t q = 0; q < c; q++) {
+        above += fabsf(cand_p[q]) > kth;
+        equal += fabsf(cand_p[q]) == kth;
+    }
     int64_t ties = k - above, o = 0, q = 0;
+    *kth_out = kth;
+    *ties_out = ties == equal ? -1 : ties;
 #ifdef __AVX512F__
     /* By whole vectors: the lanes above kth, and those equal to it while ties last (lowest first;
      * such lanes are rare), compressed into place. */
@@ -233,10 +239,8 @@ int64_t hsc_select(const float *restrict a, const float *restrict b, int64_t n, 
         for (__mmask16 eq = _mm512_cmp_ps_mask(mag, vkth, _CMP_EQ_OQ); eq && ties > 0; eq &= eq - 1, ties--)
             take |= eq & -eq;
         const int got = __builtin_popcount(take);
-        const __m512 va = _mm512_loadu_ps(cand_a + q);
         const __mmask16 fill = (__mmask16)((1u << got) - 1);
         const __m512i kept = _mm512_maskz_compress_epi32(take, _mm512_loadu_si512(cand_idx + q));
-        _mm512_mask_storeu_ps(a_at + o, fill, _mm512_maskz_compress_ps(take, va));
         _mm512_mask_storeu_ps(p_at + o, fill, _mm512_maskz_compress_ps(take, vp));
         _mm512_mask_storeu_epi64(out_idx + o, (__mmask8)fill, _mm512_cvtepi32_epi64(_mm512_castsi512_si256(kept)));
         _mm512_mask_storeu_epi64(out_idx + o + 8, (__mmask8)(fill >> 8),
@@ -249,7 +253,6 @@ int64_t hsc_select(const float *restrict a, const float *restrict b, int64_t n, 
         const int tie = mag == kth && ties > 0;
         ties -= tie;
         out_idx[o] = cand_idx[q];
-        a_at[o] = cand_a[q];
         p_at[o] = cand_p[q];
         o += (mag > kth) | tie;
     }
@@ -458,6 +461,97 @@ int hsc_all_finite(const float *restrict x, int64_t n) {
     return finite;
 }
 
+/* word (the entries' marks) with the first *ties of eq added, lowest first (*ties counts down). */
+static inline uint64_t with_ties(uint64_t word, uint64_t eq, int64_t *ties) {
+    for (; eq && *ties > 0; eq &= eq - 1, (*ties)--) word |= eq & -eq;
+    return word;
+}
+
+/* Steps 4-5 in place over whole 64-entry words of I; bits NULL: I is hsc_select's cut (kth, ties;
+ * ties -1: every entry at kth), found again from |m + g|, which compress left unchanged (see
+ * hsc_filter_scatter_cut). Returns the
+ * number of values used, never more than k. */
+static inline __attribute__((always_inline)) int64_t filter_scatter(
+        float *restrict m, float *restrict g, int64_t n, float beta, float keep, int update,
+        const uint16_t *restrict bits, float kth, int64_t ties, int64_t k, const float *restrict values) {
+    int64_t i = 0, j = 0;
+#ifdef __AVX512F__
+    const __m512 vbeta = _mm512_set1_ps(beta), vkeep = _mm512_set1_ps(keep), vkth = _mm512_set1_ps(kth);
+    for (; i + 64 <= n; i += 64) {
+        __m512 vm[4], vg[4];
+        uint64_t word = 0, eq = 0;
+        for (int q = 0; q < 4; q++) {
+            vm[q] = _mm512_loadu_ps(m + i + 16 * q);
+            vg[q] = _mm512_loadu_ps(g + i + 16 * q);
+            if (!bits) {
+                const __m512 mag = magnitude(vm[q], vg[q]);
+                if (ties < 0) {  /* one comparison: every entry at kth is in I */
+                    word |= (uint64_t)_mm512_cmp_ps_mask(mag, vkth, _CMP_GE_OQ) << (16 * q);
+                } else {
+                    word |= (uint64_t)_mm512_cmp_ps_mask(mag, vkth, _CMP_GT_OQ) << (16 * q);
+                    eq |= (uint64_t)_mm512_cmp_ps_mask(mag, vkth, _CMP_EQ_OQ) << (16 * q);
+                }
+            }
+        }
+        if (bits) {
+            word = marks64(bits, i);
+        } else {
+            if (eq) word = with_ties(word, eq, &ties);
+            while (__builtin_popcountll(word) > k - j) word &= ~(1ull << (63 - __builtin_clzll(word)));
+        }
+        for (int q = 0; q < 4; q++) {
+            if (update) {
+                __m512 t = _mm512_fmadd_ps(vbeta, vg[q], vm[q]);
+                if (word) t = _mm512_mask_mul_ps(t, (__mmask16)(word >> (16 * q)), vkeep, vm[q]);
+                _mm512_storeu_ps(m + i + 16 * q, t);
+            }
+            _mm512_storeu_ps(g + i + 16 * q, word ? marked_values(word, 16 * q, values, &j) : _mm512_setzero_ps());
+        }
+    }
+#endif
+    /* Without AVX-512, by words: the marked entries' memory is read first, then the word's 64 entries
+     * go through loops the compiler vectorizes, then the marked ones are written. */
+    for (; i + 64 <= n; i += 64) {
+        uint64_t word;
+        if (bits) {
+            word = marks64(bits, i);
+        } else {
+            uint64_t eq = 0;
+            word = 0;
+            for (int e = 0; e < 64; e++) {
+                const float mag = fabsf(m[i + e] + g[i + e]);
+                word |= (uint64_t)(ties < 0 ? mag >= kth : mag > kth) << e;
+                eq |= (uint64_t)(ties >= 0 && mag == kth) << e;
+            }
+            if (eq) word = with_ties(word, eq, &ties);
+            while (__builtin_popcountll(word) > k - j) word &= ~(1ull << (63 - __builtin_clzll(word)));
+        }
+        float kept[64];
+        int c = 0;
+        for (uint64_t w = word; w; w &= w - 1) kept[c++] = keep * m[i + __builtin_ctzll(w)];
+        if (update) {
+            for (int64_t e = i; e < i + 64; e++) m[e] = fmaf(beta, g[e], m[e]);
+            c = 0;
+            for (uint64_t w = word; w; w &= w - 1) m[i + __builtin_ctzll(w)] = kept[c++];
+        }
+        scatter_word(g, i, word, values, &j);
+    }
+    for (; i < n; i++) {
+        int at;
+        if (bits) {
+            at = marked_at(bits, i);
+        } else {
+            const float mag = fabsf(m[i] + g[i]);
+            const int tie = mag == kth && ties != 0;  /* ties < 0: every one */
+            at = j < k && (mag > kth || tie);
+            ties -= at && tie && ties > 0;
+        }
+        if (update) m[i] = at ? keep * m[i] : fmaf(beta, g[i], m[i]);
+        g[i] = at ? values[j++] : 0.0f;
+    }
+    return j;
+}
+
 /* Steps 4-5 in place, in one pass, once the reduced values are known (idx: I ascending, int64 if
  * wide, else int32; bits: room for hsc_mark's bitmap of n entries, which this fills): if every value
  * is finite,
@@ -473,42 +567,18 @@ int hsc_filter_scatter(float *restrict m, float *restrict g, int64_t n, float be
     const int marked = hsc_mark(idx, wide, k, n, bits);
     if (marked < 0) return marked;
     const int update = hsc_all_finite(values, k);
-    int64_t i = 0, j = 0;
-#ifdef __AVX512F__
-    const __m512 vbeta = _mm512_set1_ps(beta), vkeep = _mm512_set1_ps(keep);
-    for (; i + 64 <= n; i += 64) {
-        const uint64_t word = marks64(bits, i);
-        for (int q = 0; q < 64; q += 16) {
-            if (update) {
-                const __m512 vm = _mm512_loadu_ps(m + i + q);
-                __m512 t = _mm512_fmadd_ps(vbeta, _mm512_loadu_ps(g + i + q), vm);
-                if (word) t = _mm512_mask_mul_ps(t, (__mmask16)(word >> q), vkeep, vm);
-                _mm512_storeu_ps(m + i + q, t);
-            }
-            _mm512_storeu_ps(g + i + q, word ? marked_values(word, q, values, &j) : _mm512_setzero_ps());
-        }
-    }
-#endif
-    /* Without AVX-512, by words: the marked entries' memory is read first, then the word's 64 entries
-     * go through loops the compiler vectorizes, then the marked ones are written. */
-    for (; i + 64 <= n; i += 64) {
-        const uint64_t word = marks64(bits, i);
-        float kept[64];
-        int c = 0;
-        for (uint64_t w = word; w; w &= w - 1) kept[c++] = keep * m[i + __builtin_ctzll(w)];
-        if (update) {
-            for (int64_t e = i; e < i + 64; e++) m[e] = fmaf(beta, g[e], m[e]);
-            c = 0;
-            for (uint64_t w = word; w; w &= w - 1) m[i + __builtin_ctzll(w)] = kept[c++];
-        }
-        scatter_word(g, i, word, values, &j);
-    }
-    for (; i < n; i++) {
-        const int at = marked_at(bits, i);
-        if (update) m[i] = at ? keep * m[i] : fmaf(beta, g[i], m[i]);
-        g[i] = at ? values[j++] : 0.0f;
-    }
+    filter_scatter(m, g, n, beta, keep, update, bits, 0.0f, 0, k, values);
     return update;
+}
+
+/* hsc_filter_scatter on the leader, with I as its selection gave it: the cut (kth, ties) of
+ * hsc_select, found again from m + g, which must be the m and g that hsc_select read: no bitmap to
+ * fill, and no index read. Returns 1 or 0 as hsc_filter_scatter does; -3 if the cut did not give k
+ * entries (m or g changed since the selection: g then holds the values at the first entries found). */
+int hsc_filter_scatter_cut(float *restrict m, float *restrict g, int64_t n, float beta, float keep, float kth,
+                           int64_t ties, int64_t k, const float *restrict values) {
+    const int update = hsc_all_finite(values, k);
+    return filter_scatter(m, g, n, beta, keep, update, NULL, kth, ties, k, values) == k ? update : -3;
 }
 
 /* Step 5 after hsc_take_advancing, whose g holds the new memory: if every value is finite, the

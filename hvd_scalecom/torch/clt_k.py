@@ -11,7 +11,8 @@ Notation of Chen et al. (NeurIPS 2020), Algorithm 1, for one tensor on rank i at
 5. the update applies ``scatter(I, mean_i v_i)``          (:func:`scatter_dense`)
 
 The Horovod compressor calls :func:`select_and_take` (leader) or :func:`take_checking` (steps 1-3)
-in ``compress`` and :func:`filter_and_scatter_` (steps 4-5) in ``decompress``; on large gradients
+in ``compress``, which give a :class:`Taken`, and :func:`filter_and_scatter_` (steps 4-5) in
+``decompress``; on large gradients
 that it may overwrite, a rank that did not select calls :func:`take_advancing_` (steps 3-4, the new
 memory written over the gradient) and :func:`filter_and_scatter_advanced` (the buffers traded).
 All functions work on flat (1-D) views, on any device, without Python loops over entries. On
@@ -22,6 +23,7 @@ which compute the same floats as the torch operations (``tests/test_native.py``)
 import ctypes
 import functools
 import math
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -98,19 +100,48 @@ def select_top_k_of_sum(memory, grad, k, selection="exact", scratch=None):
     return _select_of_sum(memory, grad, k, selection, scratch)
 
 
+class Cut(NamedTuple):
+    """I as the leader's C selection found it: the entries with ``|p| > kth`` and the first ``ties``
+    (in index order) with ``|p| == kth`` (``ties`` -1: all of them, I being ``|p| >= kth``, the usual
+    case); ``grad_version``, the gradient's version counter then (an in-place change to it since
+    makes the cut stale)."""
+    kth: float
+    ties: int
+    grad_version: int
+
+
+class Taken(NamedTuple):
+    """What step 3 takes in ``compress`` for steps 4-5 in ``decompress``: ``values``, ``p[I]`` in the
+    memory's dtype; ``finite``, whether every entry of g is; ``memory_at``, ``m[I]`` where it came
+    with ``p[I]`` (else None: :func:`memory_at` reads it from the memory, unchanged until then); and
+    ``cut``, a :class:`Cut` where the leader's C selection found I, which the C pass of
+    :func:`filter_and_scatter_` then finds again from m and g instead of reading I (else None)."""
+    values: torch.Tensor
+    finite: bool
+    memory_at: Optional[torch.Tensor] = None
+    cut: Optional[Cut] = None
+
+
+def memory_at(memory, indices, taken):
+    """``m[I]``: ``taken.memory_at``, else gathered from ``memory`` (unchanged since ``taken``)."""
+    if taken.memory_at is not None:
+        return _flat(taken.memory_at, memory.dtype)
+    return memory.index_select(0, _flat(indices, torch.int64))
+
+
 def select_and_take(memory, grad, k, selection="exact", scratch=None):
-    """Steps 1-3 on the leader: ``(I, m[I], p[I], finite)``, ``finite`` telling whether every entry of
-    ``g`` is. With ``"threshold"`` on contiguous fp32 CPU tensors this is one read-only pass in C
-    that compares ``|m + g|`` as it reads m and g (``p`` never exists) and keeps ``m`` and ``g`` of
-    the candidates; ``I`` comes ascending. Otherwise :func:`select_top_k_of_sum`, then
-    :func:`take_checking`."""
+    """Steps 1-3 on the leader: ``(I, taken)``, a :class:`Taken`. With ``"threshold"`` on contiguous
+    fp32 CPU tensors this is one read-only pass in C that compares ``|m + g|`` as it reads m and g
+    (``p`` never exists) and keeps ``p`` of the candidates; ``I`` comes ascending, with its cut.
+    Otherwise :func:`select_top_k_of_sum`, then :func:`take_checking`."""
     selected = _native_select_of_sum(memory, grad, k, selection)
     if selected is not None:
-        return selected
+        indices, values, finite, (kth, ties) = selected
+        return indices, Taken(values, finite, cut=Cut(kth, ties, grad._version))
     indices = _select_of_sum(memory, grad, k, selection, scratch)
     if indices.is_cpu:  # ascending, the order the C passes (and the CPU's caches) go fastest in
         indices = indices.sort().values
-    return (indices, *take_checking(memory, grad, indices))
+    return indices, take_checking(memory, grad, indices)
 
 
 def _select_of_sum(memory, grad, k, selection, scratch):
@@ -205,23 +236,30 @@ def _expected_candidates(numel, size, rank):
     return rank * numel / size
 
 
+class _SelectOutputs:
+    """The C selection's scalar outputs: whether the checked tensor is finite, and the cut."""
+
+    def __init__(self):
+        self.finite, self.kth, self.ties = ctypes.c_int(1), ctypes.c_float(0.0), ctypes.c_int64(0)
+        self.pointers = (ctypes.byref(self.finite), ctypes.byref(self.kth), ctypes.byref(self.ties))
+
+
 class _SelectBuffers:
     """The C selection's candidate buffers, kept from call to call (grown, never shrunk)."""
 
     def __init__(self):
         self.cap = 0
+        self.out = _SelectOutputs()
 
     def ensure(self, cap, sample_size):
-        """Grows the buffers if needed; returns ``(candidate indices, p, a, capacity, scratch)`` as
+        """Grows the buffers if needed; returns ``(candidate indices, p, capacity, scratch)`` as
         the C kernel takes them (pointers and the capacity)."""
         if cap > self.cap or sample_size > self.scratch.numel():
             self.cap = max(cap, self.cap)
             self.indices = torch.empty(self.cap + 16, dtype=torch.int32)  # + one vector of slack
             self.p = torch.empty(self.cap + 16)
-            self.a = torch.empty(self.cap + 16)
             self.scratch = torch.empty(max(self.cap, sample_size))
-            self.arguments = (self.indices.data_ptr(), self.p.data_ptr(), self.a.data_ptr(), self.cap,
-                              self.scratch.data_ptr())
+            self.arguments = (self.indices.data_ptr(), self.p.data_ptr(), self.cap, self.scratch.data_ptr())
         return self.arguments
 
 
@@ -242,9 +280,10 @@ def _native_plan(numel, k):
 
 
 def _native_select(a, b, k):
-    """``(I, a[I], a[I] + b[I], finite)`` by the C kernel (``I`` the exact top-k of ``|a + b|``,
-    ascending; ``|a|`` when b is None; ``finite``: every entry of b, else a, is), or None where the
-    sampled threshold lets fewer than k entries through (the caller then runs a full top-k)."""
+    """``(I, a[I] + b[I], finite, (kth, ties))`` by the C kernel (``I`` the exact top-k of ``|a + b|``,
+    ascending; ``|a|`` when b is None; ``finite``: every entry of b, else a, is; ``(kth, ties)``:
+    I as a :class:`Cut`), or None where the sampled threshold lets fewer than k entries
+    through (the caller then runs a full top-k)."""
     numel = a.numel()
     plan = _native_plan(numel, k)
     if plan is None:
@@ -252,17 +291,16 @@ def _native_select(a, b, k):
     size, rank, _, positions, cap = plan
     lib = native.library()
     indices = torch.empty(k, dtype=torch.int64)
-    a_at, p_at = torch.empty(k), torch.empty(k)
-    finite = ctypes.c_int(1)
+    p_at = torch.empty(k)
+    out = _select_buffers.out
     while True:
         candidates = _select_buffers.ensure(cap, size)
         got = lib.hsc_select(a.data_ptr(), None if b is None else b.data_ptr(), numel, k, positions, size, rank,
-                             *candidates, indices.data_ptr(), a_at.data_ptr(), p_at.data_ptr(),
-                             ctypes.byref(finite))
+                             *candidates, indices.data_ptr(), p_at.data_ptr(), *out.pointers)
         if got != -2:
             break
         cap = 2 * _select_buffers.cap
-    return (indices, a_at, p_at, bool(finite.value)) if got == k else None
+    return (indices, p_at, bool(out.finite.value), (out.kth.value, out.ties.value)) if got == k else None
 
 
 @functools.lru_cache(maxsize=256)
@@ -342,10 +380,10 @@ def filter_memory_(memory, grad, indices, memory_at_indices, values, sent, beta)
 
 
 def take_checking(memory, grad, indices, check=True):
-    """Step 3 on every rank: ``(m[I], p[I], finite)`` like :func:`take`, ``finite`` telling whether
-    every entry of ``g`` is (with ``check``; else True): a rank with a non-finite gradient sends NaN,
-    so that all skip the memory update (see :func:`filter_and_scatter_`). One read-only pass in C on
-    contiguous fp32 CPU tensors."""
+    """Step 3 on every rank: a :class:`Taken` (``m[I]``, ``p[I]`` as :func:`take` gives them),
+    ``finite`` telling whether every entry of ``g`` is (with ``check``; else True): a rank with a
+    non-finite gradient sends NaN, so that all skip the memory update (see
+    :func:`filter_and_scatter_`). One read-only pass in C on contiguous fp32 CPU tensors."""
     flat = _flat(grad)
     indices = _flat(indices, torch.int64)
     if _native_applies(memory, flat) and indices.is_cpu and indices.is_contiguous():
@@ -355,9 +393,9 @@ def take_checking(memory, grad, indices, check=True):
                                            k, memory_at_indices.data_ptr(), values.data_ptr(), int(check))
         if status < 0:
             raise IndexError(_out_of_range(indices, flat.numel()))
-        return memory_at_indices, values, bool(status)
+        return Taken(values, bool(status), memory_at_indices)
     memory_at_indices, values = take(memory, flat, indices)
-    return memory_at_indices, values, all_finite(flat) if check else True
+    return Taken(values, all_finite(flat) if check else True, memory_at_indices)
 
 
 def all_finite(tensor):
@@ -372,26 +410,44 @@ def all_finite(tensor):
     return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
-def filter_and_scatter_(memory, grad, indices, reduced, memory_at_indices, values, sent, beta):
+def filter_and_scatter_(memory, grad, indices, reduced, taken, sent, beta):
     """Steps 4-5 once the reduced values are known, in place: if every reduced value is finite, the
     memory update of :func:`filter_memory_`; in every case ``grad`` (contiguous) becomes zeros with
-    ``reduced`` at ``indices``. Returns whether the memory was updated. ``(m[I], p[I])`` are those
-    of :func:`take_checking` (``memory`` unchanged since), ``sent`` the values as this rank sent
-    them. On contiguous fp32 CPU tensors one pass in C reads and writes m and g once, with I as a
-    bitmap (see :class:`Marks`; ``m[I]`` is read there from ``memory`` itself)."""
+    ``reduced`` at ``indices``. Returns whether the memory was updated. ``taken`` is what
+    :func:`select_and_take` or :func:`take_checking` gave (``memory`` and ``grad`` unchanged since),
+    ``sent`` the values as this rank sent them. On contiguous fp32 CPU tensors one pass in C reads
+    and writes m and g once (``m[I]`` is read there from ``memory`` itself), with I as a bitmap (see
+    :class:`Marks`), or on the leader as ``taken.cut`` while ``grad`` is unchanged (its version
+    counter): then no index is read. RuntimeError if the cut no longer gives k entries (``grad``
+    changed in a way its version counter missed, e.g. through ``.data``)."""
     flat = grad if grad.ndim == 1 else grad.view(-1)  # written to: a view, never a copy
     reduced = _flat(reduced, flat.dtype)
     if _native_applies(memory, flat, reduced) and indices.is_cpu and indices.numel() == reduced.numel():
-        updated = _native_filter_and_scatter_(memory, flat, _marked_dtype(indices), reduced, values, sent, beta)
+        if taken.cut is not None and grad._version == taken.cut.grad_version:
+            return _native_filter_and_scatter_cut_(memory, flat, indices, reduced, taken, sent, beta)
+        updated = _native_filter_and_scatter_(memory, flat, _marked_dtype(indices), reduced, taken.values, sent,
+                                              beta)
         if updated is not None:
             return updated
     indices = _flat(indices, torch.int64)
-    memory_at_indices = _flat(memory_at_indices, memory.dtype)
     finite = all_finite(reduced)
     if finite:
-        filter_memory_(memory, flat, indices, memory_at_indices, values, sent, beta)
+        filter_memory_(memory, flat, indices, memory_at(memory, indices, taken), taken.values, sent, beta)
     scatter_dense_(grad, reduced, indices)
     return finite
+
+
+def _native_filter_and_scatter_cut_(memory, flat, indices, reduced, taken, sent, beta):
+    """:func:`filter_and_scatter_` by the C pass that finds I again from ``taken.cut``."""
+    kth, ties, _ = taken.cut
+    status = native.library().hsc_filter_scatter_cut(memory.data_ptr(), flat.data_ptr(), flat.numel(), beta,
+                                                     1.0 - beta, kth, ties, reduced.numel(), reduced.data_ptr())
+    if status == -3:
+        raise RuntimeError("the gradient changed between compress and decompress without a change of its "
+                           "version counter: the leader's selection no longer gives its k entries")
+    if status == 1 and sent.dtype != taken.values.dtype:  # memory[I] is (1 - beta) m[I] so far
+        _keep_rounding_error_(memory, indices, taken.values, sent, beta)
+    return bool(status)
 
 
 def _native_filter_and_scatter_(memory, flat, indices, reduced, values, sent, beta):
@@ -434,7 +490,7 @@ def may_advance(memory, grad):
 
 def take_advancing_(memory, grad, indices, beta, marks=None):
     """Steps 3-4 on a rank whose gradient buffer is free to reuse (see :func:`may_advance`): returns
-    ``(p[I], finite)`` as :func:`take_checking` does (``m[I]`` is not needed: the memory on I is
+    a :class:`Taken` as :func:`take_checking` does, without ``m[I]`` (not needed: the memory on I is
     written here) and writes over ``grad`` the memory that step 4 gives if the reduction is finite
     (``m + beta g`` off I, ``(1 - beta) m[I]`` on I), leaving ``memory`` as it was. One pass in C that reads m and g and writes g in place, where
     ``take_checking`` + :func:`filter_and_scatter_` read g three times and write both. Returns None,
@@ -452,16 +508,16 @@ def take_advancing_(memory, grad, indices, beta, marks=None):
                                                  marks.bits.data_ptr(), values.data_ptr())
     if marks.order is not None:  # taken in ascending index order: back to the order of indices
         values = torch.empty_like(values).index_copy_(0, marks.order, values)
-    return values, bool(finite)
+    return Taken(values, bool(finite))
 
 
-def filter_and_scatter_advanced(memory, grad, indices, reduced, values, sent, beta, marks=None):
+def filter_and_scatter_advanced(memory, grad, indices, reduced, taken, sent, beta, marks=None):
     """Steps 4-5 after :func:`take_advancing_`: returns ``(gradient, memory, updated)``. If every
     reduced value is finite, ``grad``'s buffer (holding the new memory) becomes the memory and the
     old memory's buffer the gradient; otherwise the memory is kept and ``grad`` is the gradient. The
     gradient (flat) receives zeros with ``reduced`` at ``indices`` without being read (by streaming
-    stores on large tensors). ``values``, ``sent`` as for :func:`filter_and_scatter_`; ``marks`` as given to
-    ``take_advancing_`` (None: I's bitmap is rebuilt)."""
+    stores on large tensors). ``taken`` (from ``take_advancing_``), ``sent`` as for
+    :func:`filter_and_scatter_`; ``marks`` as given to ``take_advancing_`` (None: I's bitmap is rebuilt)."""
     flat = grad if grad.ndim == 1 else grad.view(-1)
     indices = _marked_dtype(indices)
     reduced = _flat(reduced, flat.dtype).contiguous()
@@ -474,8 +530,8 @@ def filter_and_scatter_advanced(memory, grad, indices, reduced, values, sent, be
     if not updated:
         return flat, memory, False
     new_memory = flat.detach()  # a tensor of its own on grad's storage, whatever becomes of grad
-    if sent.dtype != values.dtype:
-        _keep_rounding_error_(new_memory, indices, values, sent, beta)
+    if sent.dtype != taken.values.dtype:
+        _keep_rounding_error_(new_memory, indices, taken.values, sent, beta)
     return memory, new_memory, True
 
 

@@ -7,14 +7,16 @@ Per parameter and step (see :mod:`hvd_scalecom.torch.clt_k` for the equations):
    returns ``p[I]`` (k values).
 2. Horovod allreduces those k values with the optimizer's own op (``Average``), pre/postscale and
    process set.
-3. ``decompress`` updates the residue memory (from ``m[I]`` and ``p[I]`` kept since ``compress``) and
-   then writes the reduced values, over zeros, into the gradient's own storage (nothing of the
-   tensor's size is allocated on the way; the leader's ``p`` lives in one reused scratch buffer).
+3. ``decompress`` updates the residue memory (from ``m`` and ``g``, unchanged since ``compress``, and
+   the ``p[I]`` taken there) and then writes the reduced values, over zeros, into the gradient's own
+   storage (nothing of the tensor's size is allocated on the way; the leader's ``p`` lives in one
+   reused scratch buffer).
 
 On contiguous fp32 CPU tensors (where the C kernels of :mod:`hvd_scalecom.native` can be built) each
 side is one pass: ``compress`` reads ``m`` and ``g`` once (the leader selects as it reads; every rank
 takes ``p[I]`` and checks finiteness), and ``decompress`` updates ``m`` and writes the
-reduced values over zeros into ``g`` in one pass over both. On gradients of 2**19 entries or more
+reduced values over zeros into ``g`` in one pass over both (the leader finds I again there from its
+selection's threshold instead of reading the indices). On gradients of 2**19 entries or more
 that own their storage, a rank that did not select writes the new memory over ``g`` in its
 ``compress`` pass instead (``m`` is only read), and ``decompress``, if the reduction is finite,
 hands the old memory's buffer back as the gradient (zeros and the reduced values, not read first) and
@@ -180,13 +182,13 @@ class ScaleCom(Compressor):
         slot.step += 1
         wait_from = time.perf_counter()
         sending = None  # the leader's own broadcast, completed in decompress (never waited for here)
-        taken = None  # (m_i[I], p_i[I], finite) when the selection took them
+        taken = None  # a clt_k.Taken (p_i[I], finite, ...) once taken
         if slot.posted is not None and slot.posted[0] == t:
             indices = self._wait(slot, t, rank, size)  # posted ahead, or selected a step ago
         elif rank == leader:
             select_from = time.perf_counter()
-            indices, *taken = clt_k.select_and_take(slot.memory, tensor, k, self.config.selection,
-                                                    scratch=self._scratch(slot.memory))
+            indices, taken = clt_k.select_and_take(slot.memory, tensor, k, self.config.selection,
+                                                   scratch=self._scratch(slot.memory))
             wait_from += time.perf_counter() - select_from
             sending = self._broadcast_async(slot, indices.to(self._index_dtype(numel)), leader)
             if self.config.pipelined:  # the next step's broadcast of this name starts below
@@ -202,16 +204,14 @@ class ScaleCom(Compressor):
             if slot.marks is None:
                 slot.marks = clt_k.Marks(numel)  # one bit per entry: 1/32 of the memory's size
             # the indices as received (int32 by default): the bitmap is made from them directly
-            advancing = clt_k.take_advancing_(slot.memory, tensor, indices, self.config.beta, slot.marks)
-            if advancing is not None:
-                taken, advanced = (None, *advancing), True  # m_i[I] is not needed: its update is written
+            taken = clt_k.take_advancing_(slot.memory, tensor, indices, self.config.beta, slot.marks)
+            advanced = taken is not None  # None where an index repeats
         if not advanced:
             indices = _as_dtype(indices, torch.int64)
         if taken is None:
             taken = clt_k.take_checking(slot.memory, tensor, indices)
-        memory_at_indices, exact_values, finite = taken  # m_i[I], p_i[I]
-        values = _as_dtype(exact_values, self._value_dtype or tensor.dtype)
-        if not finite:
+        values = _as_dtype(taken.values, self._value_dtype or tensor.dtype)
+        if not taken.finite:
             # A non-finite gradient anywhere on this rank makes the values it sends NaN, so that every
             # rank sees a non-finite reduction and skips this tensor's memory update (see decompress).
             values = torch.full_like(values, float("nan"))
@@ -219,7 +219,7 @@ class ScaleCom(Compressor):
             t, index_bytes=k * self.config.index_itemsize(numel), value_bytes=k * values.element_size(),
             uncompressed_bytes=dense_bytes, index_wait_seconds=waited,
             compress_seconds=time.perf_counter() - start - waited)
-        return values, (slot, t, indices, tensor, memory_at_indices, exact_values, sending, advanced)
+        return values, (slot, t, indices, tensor, taken, sending, advanced)
 
     def decompress(self, tensor, ctx):
         """The low-pass memory update (deferred to here, where the reduced values tell every rank
@@ -227,22 +227,21 @@ class ScaleCom(Compressor):
         if ctx is None:
             return tensor
         start = time.perf_counter()
-        slot, t, indices, grad, memory_at_indices, exact_values, sending, advanced = ctx
+        slot, t, indices, grad, taken, sending, advanced = ctx
         self._synchronize(sending, slot)  # long done: every rank received it before reducing
-        sent = _as_dtype(exact_values, self._value_dtype or grad.dtype)  # as this rank sent them
+        sent = _as_dtype(taken.values, self._value_dtype or grad.dtype)  # as this rank sent them
         if advanced:  # the buffers trade places: the gradient's becomes the memory, and vice versa
             out, slot.memory, updated = clt_k.filter_and_scatter_advanced(
-                slot.memory, grad, indices, tensor, exact_values, sent, self.config.beta, slot.marks)
+                slot.memory, grad, indices, tensor, taken, sent, self.config.beta, slot.marks)
             out = out.view(grad.shape)
         elif grad.is_contiguous():  # the gradient's storage, now read, receives the result
             out = grad
-            updated = clt_k.filter_and_scatter_(slot.memory, grad, indices, tensor, memory_at_indices,
-                                                exact_values, sent, self.config.beta)
+            updated = clt_k.filter_and_scatter_(slot.memory, grad, indices, tensor, taken, sent, self.config.beta)
         else:
             updated = clt_k.all_finite(tensor)
             if updated:
-                clt_k.filter_memory_(slot.memory, grad, indices, memory_at_indices, exact_values, sent,
-                                     self.config.beta)
+                clt_k.filter_memory_(slot.memory, grad, indices, clt_k.memory_at(slot.memory, indices, taken),
+                                     taken.values, sent, self.config.beta)
             out = clt_k.scatter_dense(tensor, indices, grad.numel(), grad.dtype).view(grad.shape)
         if not updated:
             self.nonfinite_skips += 1
