@@ -116,8 +116,10 @@ def _declare(lib):
     lib.hsc_take.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, i32]
     lib.hsc_filter_scatter.restype = i32
     lib.hsc_filter_scatter.argtypes = [ptr, ptr, i64, f32, f32, ptr, i32, i64, ptr, ptr]
-    lib.hsc_filter_scatter_cut.restype = i32
-    lib.hsc_filter_scatter_cut.argtypes = [ptr, ptr, i64, f32, f32, f32, i64, i64, ptr]
+    lib.has_cut_pass = hasattr(lib, "hsc_filter_scatter_cut")  # built with AVX-512
+    if lib.has_cut_pass:
+        lib.hsc_filter_scatter_cut.restype = i32
+        lib.hsc_filter_scatter_cut.argtypes = [ptr, ptr, i64, f32, f32, f32, i64, i64, ptr]
     lib.hsc_mark.restype = i32
     lib.hsc_mark.argtypes = [ptr, i32, i64, i64, ptr]
     lib.hsc_take_advancing.restype = i32

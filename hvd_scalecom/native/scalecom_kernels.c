@@ -5,7 +5,8 @@
  * hsc_take:                m[I], p[I] and finiteness on a non-leader (step 3): one read-only pass.
  * hsc_mark:                the set I as a bitmap, for the passes below.
  * hsc_filter_scatter:      the memory update and the reduced values into g (steps 4-5): one pass in place.
- * hsc_filter_scatter_cut:  the same on the leader, I found again from its selection's threshold.
+ * hsc_filter_scatter_cut:  the same on the leader, I found again from its selection's threshold
+ *                          (AVX-512 builds only).
  * hsc_take_advancing:      step 3 on a non-leader and step 4 written over g (the new memory, adopted
  *                          if the reduction is finite): one pass, in place over g.
  * hsc_scatter_marked:      step 5 into a buffer that is not read (zeros with the values at I).
@@ -509,23 +510,11 @@ static inline __attribute__((always_inline)) int64_t filter_scatter(
         }
     }
 #endif
-    /* Without AVX-512, by words: the marked entries' memory is read first, then the word's 64 entries
-     * go through loops the compiler vectorizes, then the marked ones are written. */
+    /* Without AVX-512 (always with bits: see hsc_filter_scatter_cut), by words: the marked entries'
+     * memory is read first, then the word's 64 entries go through loops the compiler vectorizes, then
+     * the marked ones are written. */
     for (; i + 64 <= n; i += 64) {
-        uint64_t word;
-        if (bits) {
-            word = marks64(bits, i);
-        } else {
-            uint64_t eq = 0;
-            word = 0;
-            for (int e = 0; e < 64; e++) {
-                const float mag = fabsf(m[i + e] + g[i + e]);
-                word |= (uint64_t)(ties < 0 ? mag >= kth : mag > kth) << e;
-                eq |= (uint64_t)(ties >= 0 && mag == kth) << e;
-            }
-            if (eq) word = with_ties(word, eq, &ties);
-            while (__builtin_popcountll(word) > k - j) word &= ~(1ull << (63 - __builtin_clzll(word)));
-        }
+        const uint64_t word = marks64(bits, i);
         float kept[64];
         int c = 0;
         for (uint64_t w = word; w; w &= w - 1) kept[c++] = keep * m[i + __builtin_ctzll(w)];
@@ -571,15 +560,19 @@ int hsc_filter_scatter(float *restrict m, float *restrict g, int64_t n, float be
     return update;
 }
 
+#ifdef __AVX512F__
 /* hsc_filter_scatter on the leader, with I as its selection gave it: the cut (kth, ties) of
  * hsc_select, found again from m + g, which must be the m and g that hsc_select read: no bitmap to
  * fill, and no index read. Returns 1 or 0 as hsc_filter_scatter does; -3 if the cut did not give k
- * entries (m or g changed since the selection: g then holds the values at the first entries found). */
+ * entries (m or g changed since the selection: g then holds the values at the first entries found).
+ * With AVX-512 only, where finding the cut takes one comparison per vector: elsewhere (8-entry
+ * vectors, plain C) marking the indices was measured faster, and the caller does that instead. */
 int hsc_filter_scatter_cut(float *restrict m, float *restrict g, int64_t n, float beta, float keep, float kth,
                            int64_t ties, int64_t k, const float *restrict values) {
     const int update = hsc_all_finite(values, k);
     return filter_scatter(m, g, n, beta, keep, update, NULL, kth, ties, k, values) == k ? update : -3;
 }
+#endif
 
 /* Step 5 after hsc_take_advancing, whose g holds the new memory: if every value is finite, the
  * values over zeros into the old memory's buffer (which becomes the gradient) and 1 is returned;

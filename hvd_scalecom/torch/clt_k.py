@@ -115,7 +115,8 @@ class Taken(NamedTuple):
     memory's dtype; ``finite``, whether every entry of g is; ``memory_at``, ``m[I]`` where it came
     with ``p[I]`` (else None: :func:`memory_at` reads it from the memory, unchanged until then); and
     ``cut``, a :class:`Cut` where the leader's C selection found I, which the C pass of
-    :func:`filter_and_scatter_` then finds again from m and g instead of reading I (else None)."""
+    :func:`filter_and_scatter_` then finds again from m and g instead of reading I (with AVX-512;
+    else None)."""
     values: torch.Tensor
     finite: bool
     memory_at: Optional[torch.Tensor] = None
@@ -137,7 +138,8 @@ def select_and_take(memory, grad, k, selection="exact", scratch=None):
     selected = _native_select_of_sum(memory, grad, k, selection)
     if selected is not None:
         indices, values, finite, (kth, ties) = selected
-        return indices, Taken(values, finite, cut=Cut(kth, ties, grad._version))
+        cut = Cut(kth, ties, grad._version) if native.library().has_cut_pass else None
+        return indices, Taken(values, finite, cut=cut)
     indices = _select_of_sum(memory, grad, k, selection, scratch)
     if indices.is_cpu:  # ascending, the order the C passes (and the CPU's caches) go fastest in
         indices = indices.sort().values
