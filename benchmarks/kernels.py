@@ -12,7 +12,7 @@ One thread (as each Horovod worker here), fp32 gradient ``g`` and residue memory
   tensor, without the communication. The leader: ``select_and_take`` (threshold top-k with ``p[I]``
   and the finiteness of g, one read-only pass), then ``filter_and_scatter_`` (the memory update and
   the reduced values written over zeros into g, one pass in place, I found again from the
-  selection's cut). A non-leader, on
+  selection's cut from 2^22 entries on). A non-leader, on
   tensors of ``clt_k._ADVANCE_MIN_NUMEL`` entries or more: ``take_advancing_`` (the new memory
   written over g as m and g are read), then ``filter_and_scatter_advanced`` (the buffers traded,
   the reduced values written over zeros into the old memory's); on smaller ones, and in the *in
@@ -82,9 +82,11 @@ def measure(numel, ratio, rounds, with_exact=True):
     received = fast.to(torch.int32)  # as a non-leader receives them
     marks = clt_k.Marks(numel)  # kept by ScaleCom per parameter, from compress to decompress
 
-    def leader(selection="threshold"):
+    def leader(selection="threshold", cut=True):
         indices, taken = clt_k.select_and_take(m, g, k, selection, scratch=scratch)
         indices.to(torch.int32)  # the broadcast buffer
+        if not cut:  # decompress marks I from the indices, as without AVX-512
+            taken = taken._replace(cut=None)
         return clt_k.filter_and_scatter_(m, g, indices, taken.values, taken, taken.values, BETA)
 
     def non_leader(received=received, in_place=False):
@@ -110,6 +112,7 @@ def measure(numel, ratio, rounds, with_exact=True):
     variants = {
         "floor": lambda: m.add_(g, alpha=BETA),
         "leader": leader,
+        "leader, I from the indices": lambda: leader(cut=False),
         "non-leader": non_leader,
         "non-leader, k = 0": lambda: non_leader(received[:0]),
         "gradient write alone": lambda: g.zero_(),
@@ -177,15 +180,17 @@ def markdown(rows, command, load, figure=None):
         "tensor, without the communication, by default with the C kernels of `hvd_scalecom.native`.",
         "The leader: compress is one read-only pass (the threshold selection takes `p[I]` and checks",
         "that g is finite as it reads m and g), decompress one pass in place (the memory update, and the",
-        "reduced values written over zeros into g; I found again from `|m + g|` and the selection's",
-        "k-th magnitude, no index read). A non-leader, on tensors of 2^19 entries or",
-        "more: compress is one pass that reads m and g, checks g, takes `m[I]`, `p[I]` and writes the new",
+        "reduced values written over zeros into g; I as a bitmap marked from the indices, or from 2^22",
+        "entries on, found again from `|m + g|` and the selection's k-th magnitude, no index read). A",
+        "non-leader, on tensors of 2^19 entries or",
+        "more: compress is one pass that reads m and g, checks g, takes `p[I]` and writes the new",
         "memory over g; decompress writes the reduced values over zeros into m's buffer (streaming",
         "stores from 2^22 entries on), and the two",
         "buffers trade places (12 + 4 bytes per entry). *Non-leader, in place*, and a non-leader on",
         "smaller tensors: compress reads g (finiteness, `m[I]`, `p[I]`), decompress updates m and writes",
         "the gradient into g in place (4 + 16 bytes). *Non-leader, k = 0*: the non-leader's calls with",
-        "no indices. *Gradient write alone*: `g.zero_()`, the writing of a dense tensor of the",
+        "no indices. *Leader, I from the indices*: its decompress marks I from the indices at every",
+        "size (as the C kernels built without AVX-512 do). *Gradient write alone*: `g.zero_()`, the writing of a dense tensor of the",
         "gradient's size that `decompress` owes Horovod on top of the floor's traffic.",
         "*Torch operations*: the same steps as torch calls, the path taken with",
         "`HVD_SCALECOM_NATIVE=0` and on CUDA. All paths give bit-identical results (`tests/test_native.py`).",
@@ -193,15 +198,16 @@ def markdown(rows, command, load, figure=None):
         "(both paths find the same set).",
         f"Load average of this 2-core machine: {load[0]:.1f} at the start, {load[1]:.1f} at the end.",
         "",
-        "| entries | ratio | environment | floor | floor GB/s | leader | non-leader | non-leader, k = 0 | "
-        "gradient write alone | non-leader, in place | leader, torch operations | non-leader, torch operations | "
-        "leader, torch operations, exact top-k | overlap |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| entries | ratio | environment | floor | floor GB/s | leader | leader, I from the indices | non-leader | "
+        "non-leader, k = 0 | gradient write alone | non-leader, in place | leader, torch operations | "
+        "non-leader, torch operations | leader, torch operations, exact top-k | overlap |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['numel']:,} | {r['ratio']:g} | {r['environment']} | {r['floor_ms']:.2f} ms | "
-            f"{r['floor_gbps']:.1f} | {fmt(r, 'leader')} | {fmt(r, 'non-leader')} | "
+            f"{r['floor_gbps']:.1f} | {fmt(r, 'leader')} | {fmt(r, 'leader, I from the indices')} | "
+            f"{fmt(r, 'non-leader')} | "
             f"{fmt(r, 'non-leader, k = 0')} | {fmt(r, 'gradient write alone')} | {fmt(r, 'non-leader, in place')} | "
             f"{fmt(r, 'leader, torch operations')} | {fmt(r, 'non-leader, torch operations')} | "
             f"{fmt(r, 'leader, torch operations, exact top-k')} | {r['overlap']:.4f} |")

@@ -24,9 +24,19 @@ def test_the_kernels_build_where_a_compiler_exists():
     assert native.library() is not None
 
 
-def test_the_leaders_cut_pass_is_built_with_avx512():
+def test_the_leaders_cut_pass_is_built_with_avx512_and_taken_on_large_tensors():
     without = "-mno-avx512f" in os.environ.get("HVD_SCALECOM_CFLAGS", "").split()
     assert CUT_PASS == ("avx512f" in native._cpu_features().split() and not without)
+    memory, grad = inputs(clt_k._CUT_MIN_NUMEL - 64)
+    assert clt_k.select_and_take(memory, grad, 1000, "threshold")[1].cut is None
+    memory, grad = inputs(clt_k._CUT_MIN_NUMEL)
+    assert (clt_k.select_and_take(memory, grad, 1000, "threshold")[1].cut is not None) == CUT_PASS
+
+
+@pytest.fixture
+def cut_at_any_size(monkeypatch):
+    """The leader's cut on the small tensors of these tests too."""
+    monkeypatch.setattr(clt_k, "_CUT_MIN_NUMEL", 0)
 
 
 def inputs(numel, seed=0):
@@ -54,7 +64,7 @@ def run_both_steps(memory, grad, indices, taken, reduced_of, sent_dtype=None):
 
 @pytest.mark.parametrize("numel", [70_001, 1 << 20, 1_000_003])
 @pytest.mark.parametrize("ratio", [0.01, 0.001])
-def test_leader_steps_equal_top_k_and_the_torch_memory_update(numel, ratio):
+def test_leader_steps_equal_top_k_and_the_torch_memory_update(numel, ratio, cut_at_any_size):
     memory, grad = inputs(numel)
     k = max(1, round(ratio * numel))
     exact = torch.topk((memory + grad).abs(), k).indices.sort().values
@@ -139,7 +149,7 @@ def test_advancing_pass_equals_the_in_place_passes_with_the_buffers_traded(order
 
 
 @pytest.mark.parametrize("path", ["in place", "traded buffers", "leader"])
-def test_fp16_values_keep_their_rounding_error_in_the_memory(path):
+def test_fp16_values_keep_their_rounding_error_in_the_memory(path, cut_at_any_size):
     numel = 200_000
     memory, grad = inputs(numel, seed=5)
     reference_memory, reference_grad = memory.clone(), grad.clone()
@@ -236,7 +246,7 @@ def exact_lowest_on_ties(p, k):
 
 
 @pytest.mark.parametrize("case", ["few distinct values", "infinite entries", "wide exponents"])
-def test_the_radix_selection_of_the_k_th_magnitude_is_exact(case):
+def test_the_radix_selection_of_the_k_th_magnitude_is_exact(case, cut_at_any_size):
     gen = torch.Generator().manual_seed(9)
     numel, k = 200_003, 2_000
     if case == "few distinct values":  # many candidates tie with the k-th magnitude
@@ -260,7 +270,7 @@ def test_the_radix_selection_of_the_k_th_magnitude_is_exact(case):
     assert torch.equal(memory, new) and torch.equal(grad, new_grad)
 
 
-def test_a_gradient_changed_in_place_after_the_selection_is_scattered_by_its_indices():
+def test_a_gradient_changed_in_place_after_the_selection_is_scattered_by_its_indices(cut_at_any_size):
     """E.g. clipped before the optimizer's synchronize(): the version counter tells, and I is then
     read from the indices (as on a non-leader); a change that the counter misses is an error."""
     memory, grad = inputs(100_000, seed=12)

@@ -115,8 +115,8 @@ class Taken(NamedTuple):
     memory's dtype; ``finite``, whether every entry of g is; ``memory_at``, ``m[I]`` where it came
     with ``p[I]`` (else None: :func:`memory_at` reads it from the memory, unchanged until then); and
     ``cut``, a :class:`Cut` where the leader's C selection found I, which the C pass of
-    :func:`filter_and_scatter_` then finds again from m and g instead of reading I (with AVX-512;
-    else None)."""
+    :func:`filter_and_scatter_` then finds again from m and g instead of reading I (with AVX-512,
+    from ``_CUT_MIN_NUMEL`` entries on; else None)."""
     values: torch.Tensor
     finite: bool
     memory_at: Optional[torch.Tensor] = None
@@ -138,8 +138,8 @@ def select_and_take(memory, grad, k, selection="exact", scratch=None):
     selected = _native_select_of_sum(memory, grad, k, selection)
     if selected is not None:
         indices, values, finite, (kth, ties) = selected
-        cut = Cut(kth, ties, grad._version) if native.library().has_cut_pass else None
-        return indices, Taken(values, finite, cut=cut)
+        with_cut = native.library().has_cut_pass and memory.numel() >= _CUT_MIN_NUMEL
+        return indices, Taken(values, finite, cut=Cut(kth, ties, grad._version) if with_cut else None)
     indices = _select_of_sum(memory, grad, k, selection, scratch)
     if indices.is_cpu:  # ascending, the order the C passes (and the CPU's caches) go fastest in
         indices = indices.sort().values
@@ -165,6 +165,10 @@ def _native_select_of_sum(memory, grad, k, selection):
 _THRESHOLD_MIN_NUMEL = 1 << 16  # torch operations: below this, torch.topk is about as fast
 _NATIVE_THRESHOLD_MIN_NUMEL = 1 << 10  # the C selection: faster than torch.topk from a few thousand entries
 _NATIVE_SELECT_MAX_NUMEL = 1 << 31  # the C selection keeps its candidates' indices as int32
+# The leader's decompress finds I from the selection's cut (instead of marking the indices) from this
+# many entries on (16 MB of fp32: beyond the caches), where it was measured faster (25M entries); on
+# tensors that sit in the caches (1M entries) marking the indices was faster.
+_CUT_MIN_NUMEL = 1 << 22
 _GRID_ROWS = 8  # rows of the column pre-filter: a column reaches t with probability ~8x an entry's
 
 

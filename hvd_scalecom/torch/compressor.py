@@ -15,9 +15,9 @@ Per parameter and step (see :mod:`hvd_scalecom.torch.clt_k` for the equations):
 On contiguous fp32 CPU tensors (where the C kernels of :mod:`hvd_scalecom.native` can be built) each
 side is one pass: ``compress`` reads ``m`` and ``g`` once (the leader selects as it reads; every rank
 takes ``p[I]`` and checks finiteness), and ``decompress`` updates ``m`` and writes the
-reduced values over zeros into ``g`` in one pass over both (the leader finds I again there from its
-selection's threshold instead of reading the indices). On gradients of 2**19 entries or more
-that own their storage, a rank that did not select writes the new memory over ``g`` in its
+reduced values over zeros into ``g`` in one pass over both (on gradients of 2**22 entries or more
+the leader finds I again there from its selection's threshold instead of reading the indices). On
+gradients of 2**19 entries or more that own their storage, a rank that did not select writes the new memory over ``g`` in its
 ``compress`` pass instead (``m`` is only read), and ``decompress``, if the reduction is finite,
 hands the old memory's buffer back as the gradient (zeros and the reduced values, not read first) and
 keeps ``g``'s buffer as the memory: a gradient's storage changes at every step, as it does with
