@@ -33,6 +33,20 @@ def test_the_leaders_cut_pass_is_built_with_avx512_and_taken_on_large_tensors():
     assert (clt_k.select_and_take(memory, grad, 1000, "threshold")[1].cut is not None) == CUT_PASS
 
 
+def test_inference_tensors_have_no_version_counter_and_the_leader_takes_i_from_the_indices(monkeypatch):
+    monkeypatch.setattr(clt_k, "_CUT_MIN_NUMEL", 0)
+    memory, grad = inputs(100_000, seed=13)
+    reference_memory = memory.clone()
+    new, new_grad, _, _ = reference(memory, grad, torch.topk((memory + grad).abs(), 1000).indices.sort().values,
+                                    torch.ones(1000))
+    with torch.inference_mode():
+        grad = grad.clone()
+        indices, taken = clt_k.select_and_take(memory, grad, 1000, "threshold")
+        assert taken.cut is None
+        assert clt_k.filter_and_scatter_(memory, grad, indices, torch.ones(1000), taken, taken.values, BETA)
+    assert torch.equal(memory, new) and torch.equal(grad, new_grad) and not torch.equal(memory, reference_memory)
+
+
 @pytest.fixture
 def cut_at_any_size(monkeypatch):
     """The leader's cut on the small tensors of these tests too."""

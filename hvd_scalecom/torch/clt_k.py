@@ -138,7 +138,8 @@ def select_and_take(memory, grad, k, selection="exact", scratch=None):
     selected = _native_select_of_sum(memory, grad, k, selection)
     if selected is not None:
         indices, values, finite, (kth, ties) = selected
-        with_cut = native.library().has_cut_pass and memory.numel() >= _CUT_MIN_NUMEL
+        with_cut = (native.library().has_cut_pass and memory.numel() >= _CUT_MIN_NUMEL
+                    and not grad.is_inference())  # (inference tensors have no version counter)
         return indices, Taken(values, finite, cut=Cut(kth, ties, grad._version) if with_cut else None)
     indices = _select_of_sum(memory, grad, k, selection, scratch)
     if indices.is_cpu:  # ascending, the order the C passes (and the CPU's caches) go fastest in
