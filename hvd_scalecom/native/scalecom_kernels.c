@@ -112,6 +112,12 @@ static float kth_largest(float *x, int64_t n, int64_t r) {
     return out;
 }
 
+/* word (the entries' marks) with the first *ties of eq added, lowest first (*ties counts down). */
+static inline uint64_t with_ties(uint64_t word, uint64_t eq, int64_t *ties) {
+    for (; eq && *ties > 0; eq &= eq - 1, (*ties)--) word |= eq & -eq;
+    return word;
+}
+
 /* Exact top-k of |a + b| (b may be NULL: |a|) into out_idx[0..k) in ascending index order, with
  * p_at = a[I] + b[I] (steps 2-3 on the leader): the threshold t is the rank-th largest magnitude at
  * the sample positions (NaN counted as 0); one read-only pass collects the candidates |a + b| >= t
@@ -236,9 +242,8 @@ int64_t hsc_select(const float *restrict a, const float *restrict b, int64_t n, 
     for (; q + 16 <= c; q += 16) {
         const __m512 vp = _mm512_loadu_ps(cand_p + q);
         const __m512 mag = _mm512_abs_ps(vp);
-        __mmask16 take = _mm512_cmp_ps_mask(mag, vkth, _CMP_GT_OQ);
-        for (__mmask16 eq = _mm512_cmp_ps_mask(mag, vkth, _CMP_EQ_OQ); eq && ties > 0; eq &= eq - 1, ties--)
-            take |= eq & -eq;
+        const __mmask16 take = (__mmask16)with_ties(_mm512_cmp_ps_mask(mag, vkth, _CMP_GT_OQ),
+                                                     _mm512_cmp_ps_mask(mag, vkth, _CMP_EQ_OQ), &ties);
         const int got = __builtin_popcount(take);
         const __mmask16 fill = (__mmask16)((1u << got) - 1);
         const __m512i kept = _mm512_maskz_compress_epi32(take, _mm512_loadu_si512(cand_idx + q));
@@ -462,16 +467,9 @@ int hsc_all_finite(const float *restrict x, int64_t n) {
     return finite;
 }
 
-/* word (the entries' marks) with the first *ties of eq added, lowest first (*ties counts down). */
-static inline uint64_t with_ties(uint64_t word, uint64_t eq, int64_t *ties) {
-    for (; eq && *ties > 0; eq &= eq - 1, (*ties)--) word |= eq & -eq;
-    return word;
-}
-
 /* Steps 4-5 in place over whole 64-entry words of I; bits NULL: I is hsc_select's cut (kth, ties;
  * ties -1: every entry at kth), found again from |m + g|, which compress left unchanged (see
- * hsc_filter_scatter_cut). Returns the
- * number of values used, never more than k. */
+ * hsc_filter_scatter_cut). Returns the number of values used, never more than k. */
 static inline __attribute__((always_inline)) int64_t filter_scatter(
         float *restrict m, float *restrict g, int64_t n, float beta, float keep, int update,
         const uint16_t *restrict bits, float kth, int64_t ties, int64_t k, const float *restrict values) {

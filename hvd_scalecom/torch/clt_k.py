@@ -431,10 +431,12 @@ def filter_and_scatter_(memory, grad, indices, reduced, taken, sent, beta):
     reduced = _flat(reduced, flat.dtype)
     if _native_applies(memory, flat, reduced) and indices.is_cpu and indices.numel() == reduced.numel():
         if taken.cut is not None and grad._version == taken.cut.grad_version:
-            return _native_filter_and_scatter_cut_(memory, flat, indices, reduced, taken, sent, beta)
-        updated = _native_filter_and_scatter_(memory, flat, _marked_dtype(indices), reduced, taken.values, sent,
-                                              beta)
+            updated = _native_filter_and_scatter_cut_(memory, flat, reduced, taken.cut, beta)
+        else:
+            updated = _native_filter_and_scatter_(memory, flat, _marked_dtype(indices), reduced, beta)
         if updated is not None:
+            if updated and sent.dtype != taken.values.dtype:  # memory[I] is (1 - beta) m[I] so far
+                _keep_rounding_error_(memory, indices, taken.values, sent, beta)
             return updated
     indices = _flat(indices, torch.int64)
     finite = all_finite(reduced)
@@ -444,22 +446,22 @@ def filter_and_scatter_(memory, grad, indices, reduced, taken, sent, beta):
     return finite
 
 
-def _native_filter_and_scatter_cut_(memory, flat, indices, reduced, taken, sent, beta):
-    """:func:`filter_and_scatter_` by the C pass that finds I again from ``taken.cut``."""
-    kth, ties, _ = taken.cut
+def _native_filter_and_scatter_cut_(memory, flat, reduced, cut, beta):
+    """The C pass of :func:`filter_and_scatter_` that finds I again from ``cut``: whether the memory
+    was updated."""
     status = native.library().hsc_filter_scatter_cut(memory.data_ptr(), flat.data_ptr(), flat.numel(), beta,
-                                                     1.0 - beta, kth, ties, reduced.numel(), reduced.data_ptr())
+                                                     1.0 - beta, cut.kth, cut.ties, reduced.numel(),
+                                                     reduced.data_ptr())
     if status == -3:
         raise RuntimeError("the gradient changed between compress and decompress without a change of its "
                            "version counter: the leader's selection no longer gives its k entries")
-    if status == 1 and sent.dtype != taken.values.dtype:  # memory[I] is (1 - beta) m[I] so far
-        _keep_rounding_error_(memory, indices, taken.values, sent, beta)
     return bool(status)
 
 
-def _native_filter_and_scatter_(memory, flat, indices, reduced, values, sent, beta):
-    """:func:`filter_and_scatter_` by the C pass (``indices`` as :func:`_marked_dtype` gives them), or
-    None, having written nothing, where an index repeats."""
+def _native_filter_and_scatter_(memory, flat, indices, reduced, beta):
+    """The C pass of :func:`filter_and_scatter_` with I marked from ``indices`` (as
+    :func:`_marked_dtype` gives them): whether the memory was updated, or None, having written
+    nothing, where an index repeats."""
     marks = _scratch_marks(flat.numel())
     order = None
     while True:
@@ -470,14 +472,9 @@ def _native_filter_and_scatter_(memory, flat, indices, reduced, values, sent, be
             break
         order = indices.argsort()  # not ascending: the same pass over the sorted pairs
         indices, reduced = indices[order], reduced[order]
-        values, sent = _flat(values)[order], _flat(sent)[order]
     if status == -1:
         raise IndexError(_out_of_range(indices, flat.numel()))
-    if status == -2:
-        return None
-    if status == 1 and sent.dtype != values.dtype:  # memory[I] is (1 - beta) m[I] so far
-        _keep_rounding_error_(memory, indices, values, sent, beta)
-    return bool(status)
+    return None if status == -2 else bool(status)
 
 
 # Below this many entries (2 MB of fp32: a gradient and its memory in the second-level caches) the
