@@ -83,8 +83,8 @@ def measure(numel, ratio, rounds, with_exact=True):
     marks = clt_k.Marks(numel)  # kept by ScaleCom per parameter, from compress to decompress
 
     def leader(selection="threshold", cut=True):
-        indices, taken = clt_k.select_and_take(m, g, k, selection, scratch=scratch)
-        indices.to(torch.int32)  # the broadcast buffer
+        # I in the broadcast's dtype, as ScaleCom asks for it
+        indices, taken = clt_k.select_and_take(m, g, k, selection, scratch=scratch, index_dtype=torch.int32)
         if not cut:  # decompress marks I from the indices, as without AVX-512
             taken = taken._replace(cut=None)
         return clt_k.filter_and_scatter_(m, g, indices, taken.values, taken, taken.values, BETA)

@@ -78,14 +78,15 @@ def run_both_steps(memory, grad, indices, taken, reduced_of, sent_dtype=None):
 
 @pytest.mark.parametrize("numel", [70_001, 1 << 20, 1_000_003])
 @pytest.mark.parametrize("ratio", [0.01, 0.001])
-def test_leader_steps_equal_top_k_and_the_torch_memory_update(numel, ratio, cut_at_any_size):
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_leader_steps_equal_top_k_and_the_torch_memory_update(numel, ratio, index_dtype, cut_at_any_size):
     memory, grad = inputs(numel)
     k = max(1, round(ratio * numel))
     exact = torch.topk((memory + grad).abs(), k).indices.sort().values
     new, new_grad, kept, values = reference(memory, grad, exact, 0.5 * (memory + grad)[exact])
-    indices, taken = clt_k.select_and_take(memory, grad, k, "threshold")
+    indices, taken = clt_k.select_and_take(memory, grad, k, "threshold", index_dtype=index_dtype)
     assert taken.finite and (taken.cut.ties == -1 if CUT_PASS else taken.cut is None)  # I again: |p| >= kth
-    assert torch.equal(indices, exact)  # ascending
+    assert indices.dtype == index_dtype and torch.equal(indices.long(), exact)  # ascending
     assert torch.equal(clt_k.memory_at(memory, indices, taken), kept) and torch.equal(taken.values, values)
     _, updated, _ = run_both_steps(memory, grad, indices, taken, lambda v: 0.5 * v)
     assert updated
@@ -403,3 +404,15 @@ def test_the_scalar_build_gives_the_same_results(tmp_path, flags):
     """This file again, with the kernels built without AVX-512 (their AVX2 loops, where the CPU has
     AVX2), and without AVX2 either (plain C)."""
     rerun_with_scalar_kernels(__file__, tmp_path, flags)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_leader_indices_in_the_dtype_asked_for_on_every_path(index_dtype):
+    memory, grad = inputs(200_000, seed=8)
+    indices, taken = clt_k.select_and_take(memory, grad, 2_000, "threshold", index_dtype=index_dtype)
+    with torch_operations():
+        torch_indices, torch_taken = clt_k.select_and_take(memory, grad, 2_000, "threshold", index_dtype=index_dtype)
+    assert indices.dtype == torch_indices.dtype == index_dtype
+    assert torch.equal(indices, torch_indices) and torch.equal(taken.values, torch_taken.values)
+    with pytest.raises(ValueError, match="index_dtype must be torch.int64 or torch.int32"):
+        clt_k.select_and_take(memory, grad, 2_000, "threshold", index_dtype=torch.int16)

@@ -67,18 +67,22 @@ def test_matches_reference(horovod_job, np_, beta, warmup):
         assert sparsity(applied[t], "hidden.bias") == 1.0
 
 
-@pytest.mark.parametrize("kernels", ["C", "C, traded buffers", "torch"])
+@pytest.mark.parametrize("kernels", ["C", "C, traded buffers", "C, non-contiguous gradient", "torch"])
 def test_large_tensors_threshold_selection_both_kernel_paths(horovod_job, kernels):
     """hidden.weight of 67,200 entries: the leader's threshold selection and memory update run as
     one C pass (or, with HVD_SCALECOM_NATIVE=0, as torch operations; or with the other ranks
-    writing the memory over their gradients and trading the buffers); all match the reference."""
+    writing the memory over their gradients and trading the buffers; or, the weight stored
+    column-major, on a gradient that is not contiguous); all match the reference."""
     opts = {"ratio": 0.02, "beta": 0.3, "min_numel": 600, "steps": 6, "hidden": 1400,
-            "selection": "threshold", **({"advance_min_numel": 0} if kernels == "C, traded buffers" else {})}
+            "selection": "threshold", **({"advance_min_numel": 0} if kernels == "C, traded buffers" else {}),
+            **({"transposed_hidden": True} if kernels == "C, non-contiguous gradient" else {})}
     env = {"HVD_SCALECOM_NATIVE": "0"} if kernels == "torch" else None
     results, _ = horovod_job("torch_scalecom.py", opts, np=3, env=env)
     applied = check_against_reference(results, opts, steps=6)
     check_identical_weights(results)
     assert sparsity(applied[5], "hidden.weight") == pytest.approx(0.02, abs=1e-4)
+    if "transposed_hidden" in opts:  # hidden.weight's gradient, every step on every rank
+        assert all(int(r["non_contiguous"]) == 6 for r in results), [int(r["non_contiguous"]) for r in results]
 
 
 def test_horovod_moves_k_values_and_k_indices(horovod_job, tmp_path):

@@ -111,7 +111,7 @@ def _build():
 def _declare(lib):
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     lib.hsc_select.restype = i64
-    lib.hsc_select.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr]
+    lib.hsc_select.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ptr, ptr, i32, ptr, ptr, ptr, ptr]
     lib.hsc_take.restype = i32
     lib.hsc_take.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, i32]
     lib.hsc_filter_scatter.restype = i32

@@ -128,13 +128,13 @@ static inline uint64_t with_ties(uint64_t word, uint64_t eq, int64_t *ties) {
  * which hsc_filter_scatter_cut finds again. Returns k; -1 when t is not positive (before the pass)
  * or fewer than k reach it (the caller falls back to a full top-k); -2 when more than cap do (retry
  * with more room). NaN entries are never selected. cand_idx and cand_p hold cap + 16 entries
- * (whole-vector stores), scratch max(cap, s); n < 2^31 (the candidates' indices are int32, widened
- * to int64 in out_idx). */
+ * (whole-vector stores), scratch max(cap, s); n < 2^31 (the candidates' indices are int32). out_idx
+ * is int64 if wide, else int32 (as the indices are broadcast: no conversion after). */
 int64_t hsc_select(const float *restrict a, const float *restrict b, int64_t n, int64_t k,
                    const int64_t *sample, int64_t s, int64_t rank, int32_t *restrict cand_idx,
                    float *restrict cand_p, int64_t cap, float *restrict scratch,
-                   int64_t *restrict out_idx, float *restrict p_at, int *finite_out, float *kth_out,
-                   int64_t *ties_out) {
+                   void *restrict out_idx, int wide, float *restrict p_at, int *finite_out,
+                   float *kth_out, int64_t *ties_out) {
     for (int64_t i = 0; i < s; i++) {
         if (i + AHEAD < s) {
             __builtin_prefetch(a + sample[i + AHEAD], 0, 0);
@@ -248,9 +248,14 @@ int64_t hsc_select(const float *restrict a, const float *restrict b, int64_t n, 
         const __mmask16 fill = (__mmask16)((1u << got) - 1);
         const __m512i kept = _mm512_maskz_compress_epi32(take, _mm512_loadu_si512(cand_idx + q));
         _mm512_mask_storeu_ps(p_at + o, fill, _mm512_maskz_compress_ps(take, vp));
-        _mm512_mask_storeu_epi64(out_idx + o, (__mmask8)fill, _mm512_cvtepi32_epi64(_mm512_castsi512_si256(kept)));
-        _mm512_mask_storeu_epi64(out_idx + o + 8, (__mmask8)(fill >> 8),
-                                 _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(kept, 1)));
+        if (wide) {
+            int64_t *out = (int64_t *)out_idx + o;
+            _mm512_mask_storeu_epi64(out, (__mmask8)fill, _mm512_cvtepi32_epi64(_mm512_castsi512_si256(kept)));
+            _mm512_mask_storeu_epi64(out + 8, (__mmask8)(fill >> 8),
+                                     _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(kept, 1)));
+        } else {
+            _mm512_mask_storeu_epi32((int32_t *)out_idx + o, fill, kept);
+        }
         o += got;
     }
 #endif
@@ -258,7 +263,10 @@ int64_t hsc_select(const float *restrict a, const float *restrict b, int64_t n, 
         const float mag = fabsf(cand_p[q]);
         const int tie = mag == kth && ties > 0;
         ties -= tie;
-        out_idx[o] = cand_idx[q];
+        if (wide)
+            ((int64_t *)out_idx)[o] = cand_idx[q];
+        else
+            ((int32_t *)out_idx)[o] = cand_idx[q];
         p_at[o] = cand_p[q];
         o += (mag > kth) | tie;
     }

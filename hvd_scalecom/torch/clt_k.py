@@ -130,12 +130,16 @@ def memory_at(memory, indices, taken):
     return memory.index_select(0, _flat(indices, torch.int64))
 
 
-def select_and_take(memory, grad, k, selection="exact", scratch=None):
-    """Steps 1-3 on the leader: ``(I, taken)``, a :class:`Taken`. With ``"threshold"`` on contiguous
-    fp32 CPU tensors this is one read-only pass in C that compares ``|m + g|`` as it reads m and g
-    (``p`` never exists) and keeps ``p`` of the candidates; ``I`` comes ascending, with its cut.
-    Otherwise :func:`select_top_k_of_sum`, then :func:`take_checking`."""
-    selected = _native_select_of_sum(memory, grad, k, selection)
+def select_and_take(memory, grad, k, selection="exact", scratch=None, index_dtype=torch.int64):
+    """Steps 1-3 on the leader: ``(I, taken)``, a :class:`Taken`, I in ``index_dtype`` (int64 or
+    int32, e.g. the dtype the indices are broadcast in). With ``"threshold"`` on contiguous fp32
+    CPU tensors this is one read-only pass in C that compares ``|m + g|`` as it reads m and g
+    (``p`` never exists) and keeps ``p`` of the candidates; ``I`` comes ascending, with its cut,
+    written in ``index_dtype`` by the kernel. Otherwise :func:`select_top_k_of_sum`, then
+    :func:`take_checking`."""
+    if index_dtype is not torch.int64 and index_dtype is not torch.int32:
+        raise ValueError(f"index_dtype must be torch.int64 or torch.int32, got {index_dtype}")
+    selected = _native_select_of_sum(memory, grad, k, selection, index_dtype)
     if selected is not None:
         indices, values, finite, (kth, ties) = selected
         with_cut = (native.library().has_cut_pass and memory.numel() >= _CUT_MIN_NUMEL
@@ -144,7 +148,7 @@ def select_and_take(memory, grad, k, selection="exact", scratch=None):
     indices = _select_of_sum(memory, grad, k, selection, scratch)
     if indices.is_cpu:  # ascending, the order the C passes (and the CPU's caches) go fastest in
         indices = indices.sort().values
-    return indices, take_checking(memory, grad, indices)
+    return _flat(indices, index_dtype), take_checking(memory, grad, indices)
 
 
 def _select_of_sum(memory, grad, k, selection, scratch):
@@ -153,13 +157,13 @@ def _select_of_sum(memory, grad, k, selection, scratch):
     return select_top_k(p, k, selection)
 
 
-def _native_select_of_sum(memory, grad, k, selection):
+def _native_select_of_sum(memory, grad, k, selection, index_dtype=torch.int64):
     """:func:`_native_select` of ``(m, g)`` where it applies, else None."""
     grad = _flat(grad)
     numel = memory.numel()
     if (selection == "threshold" and k < numel < _NATIVE_SELECT_MAX_NUMEL and _thresholded(numel, k, True)
             and _native_applies(memory, grad)):
-        return _native_select(memory, grad, k)
+        return _native_select(memory, grad, k, index_dtype)
     return None
 
 
@@ -286,9 +290,9 @@ def _native_plan(numel, k):
     return size, rank, positions, positions.data_ptr(), room
 
 
-def _native_select(a, b, k):
+def _native_select(a, b, k, index_dtype=torch.int64):
     """``(I, a[I] + b[I], finite, (kth, ties))`` by the C kernel (``I`` the exact top-k of ``|a + b|``,
-    ascending; ``|a|`` when b is None; ``finite``: every entry of b, else a, is; ``(kth, ties)``:
+    ascending, in ``index_dtype``, int64 or int32; ``|a|`` when b is None; ``finite``: every entry of b, else a, is; ``(kth, ties)``:
     I as a :class:`Cut`), or None where the sampled threshold lets fewer than k entries
     through (the caller then runs a full top-k)."""
     numel = a.numel()
@@ -297,13 +301,14 @@ def _native_select(a, b, k):
         return None
     size, rank, _, positions, cap = plan
     lib = native.library()
-    indices = torch.empty(k, dtype=torch.int64)
+    indices = torch.empty(k, dtype=index_dtype)
     p_at = torch.empty(k)
     out = _select_buffers.out
     while True:
         candidates = _select_buffers.ensure(cap, size)
         got = lib.hsc_select(a.data_ptr(), None if b is None else b.data_ptr(), numel, k, positions, size, rank,
-                             *candidates, indices.data_ptr(), p_at.data_ptr(), *out.pointers)
+                             *candidates, indices.data_ptr(), int(index_dtype is torch.int64), p_at.data_ptr(),
+                             *out.pointers)
         if got != -2:
             break
         cap = 2 * _select_buffers.cap

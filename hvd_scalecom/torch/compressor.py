@@ -188,9 +188,10 @@ class ScaleCom(Compressor):
         elif rank == leader:
             select_from = time.perf_counter()
             indices, taken = clt_k.select_and_take(slot.memory, tensor, k, self.config.selection,
-                                                   scratch=self._scratch(slot.memory))
+                                                   scratch=self._scratch(slot.memory),
+                                                   index_dtype=self._index_dtype(numel))
             wait_from += time.perf_counter() - select_from
-            sending = self._broadcast_async(slot, indices.to(self._index_dtype(numel)), leader)
+            sending = self._broadcast_async(slot, indices, leader)  # (in the broadcast's dtype)
             if self.config.pipelined:  # the next step's broadcast of this name starts below
                 self._synchronize(sending, slot)
                 sending = None
@@ -206,9 +207,8 @@ class ScaleCom(Compressor):
             # the indices as received (int32 by default): the bitmap is made from them directly
             taken = clt_k.take_advancing_(slot.memory, tensor, indices, self.config.beta, slot.marks)
             advanced = taken is not None  # None where an index repeats
-        if not advanced:
-            indices = _as_dtype(indices, torch.int64)
         if taken is None:
+            indices = _as_dtype(indices, torch.int64)  # once, for take_checking and decompress
             taken = clt_k.take_checking(slot.memory, tensor, indices)
         values = _as_dtype(taken.values, self._value_dtype or tensor.dtype)
         if not taken.finite:
@@ -238,6 +238,7 @@ class ScaleCom(Compressor):
             out = grad
             updated = clt_k.filter_and_scatter_(slot.memory, grad, indices, tensor, taken, sent, self.config.beta)
         else:
+            indices = _as_dtype(indices, torch.int64)  # (the leader's may be the broadcast's int32)
             updated = clt_k.all_finite(tensor)
             if updated:
                 clt_k.filter_memory_(slot.memory, grad, indices, clt_k.memory_at(slot.memory, indices, taken),

@@ -43,6 +43,8 @@ class Net(torch.nn.Module):
         width = opts.get("hidden", 64)
         self.hidden = torch.nn.Linear(48, width)   # weight 3072 entries, bias 64 (by default)
         self.out = torch.nn.Linear(width, 10)      # weight 640, bias 10
+        if opts.get("transposed_hidden"):  # stored column-major: its gradient is not contiguous either
+            self.hidden.weight = torch.nn.Parameter(self.hidden.weight.detach().t().contiguous().t())
         if opts.get("embedding"):
             self.embed = torch.nn.Embedding(50, 48, sparse=True)
         if opts.get("tied_embedding"):  # one Parameter in two modules: named_parameters() lists it once
@@ -87,6 +89,14 @@ compression = ScaleCom(
     leader=opts.get("leader", "cyclic"), selection=opts.get("selection", "exact"),
     value_dtype=opts.get("value_dtype"), index_dtype=opts.get("index_dtype", "int32"),
     pipelined=opts.get("pipelined", False), loss_scaler=scaler, timeout=opts.get("timeout"), **set_kwargs)
+non_contiguous = [0]  # gradients that reached compress() not contiguous
+if opts.get("transposed_hidden"):
+    compress_contiguous = compression.compress
+
+    def compress_counting(tensor):
+        non_contiguous[0] += not tensor.is_contiguous()
+        return compress_contiguous(tensor)
+    compression.compress = compress_counting
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=opts.get("momentum", 0.0))
 groups = None
 if opts.get("groups") == "list":
@@ -99,7 +109,8 @@ optimizer = hvd.DistributedOptimizer(
     backward_passes_per_step=passes, groups=groups, sparse_as_dense=opts.get("sparse_as_dense", False),
     gradient_predivide_factor=opts.get("gradient_predivide_factor", 1.0),
     op=hvd.Adasum if opts.get("op") == "adasum" else hvd.Average, **set_kwargs)
-hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+# (Horovod broadcasts contiguous tensors only; a column-major weight starts equal from the common seed)
+hvd.broadcast_parameters({n: v for n, v in model.state_dict().items() if v.is_contiguous()}, root_rank=0)
 
 poison = opts.get("poison")  # {"rank", "step", "value"}: one entry of hidden.weight's gradient
 current_step = [-1]  # the step whose loss.backward() is running (-1: none)
@@ -191,6 +202,7 @@ for name, entry in compression.state_dict()["params"].items():
         record[f"memory/{name}"] = (entry["memory"] / (entry["scale"] or 1.0)).numpy()  # unscaled
 record["stats"] = np.array(json.dumps(compression.stats()))
 record["traded"] = np.array(traded[0])
+record["non_contiguous"] = np.array(non_contiguous[0])
 np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **record)
 if opts.get("checkpoint"):
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
