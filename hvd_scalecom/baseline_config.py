@@ -11,7 +11,7 @@ which validate their settings through these classes too, so both paths accept an
 
 import dataclasses
 
-from hvd_scalecom.config import INDEX_DTYPES, ScaleComConfig, check_int, check_real
+from hvd_scalecom.config import INDEX_DTYPES, INT32_INDEX_MAX_NUMEL, ScaleComConfig, check_int, check_real
 
 QSPARSE_OPERATORS = ("top_k", "sign_top_k", "qsgd_top_k")
 
@@ -129,7 +129,7 @@ class QsparseConfig:
         return (step + 1) % self.local_steps == 0
 
     def index_dtype_for(self, numel):
-        return "int64" if numel > 2**31 - 1 else self.index_dtype
+        return "int64" if numel > INT32_INDEX_MAX_NUMEL else self.index_dtype
 
     def level_dtype(self):
         """The narrowest signed integer that holds ``sign * level`` for QSGD's levels 0..s."""

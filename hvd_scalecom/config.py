@@ -20,6 +20,7 @@ LEADER_POLICIES = ("cyclic", "staggered")
 SELECTIONS = ("exact", "threshold")
 VALUE_DTYPES = (None, "float32", "float16", "bfloat16")
 INDEX_DTYPES = ("int64", "int32")
+INT32_INDEX_MAX_NUMEL = 2**31 - 1  # larger tensors' indices travel as int64 whatever index_dtype says
 
 
 def _is_real(x):
@@ -132,7 +133,7 @@ class ScaleComConfig:
 
     def index_dtype_for(self, numel):
         """The index dtype used for a tensor of ``numel`` entries."""
-        return "int64" if numel > 2**31 - 1 else self.index_dtype
+        return "int64" if numel > INT32_INDEX_MAX_NUMEL else self.index_dtype
 
     def index_itemsize(self, numel):
         return 4 if self.index_dtype_for(numel) == "int32" else 8

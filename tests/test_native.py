@@ -416,3 +416,12 @@ def test_leader_indices_in_the_dtype_asked_for_on_every_path(index_dtype):
     assert torch.equal(indices, torch_indices) and torch.equal(taken.values, torch_taken.values)
     with pytest.raises(ValueError, match="index_dtype must be torch.int64 or torch.int32"):
         clt_k.select_and_take(memory, grad, 2_000, "threshold", index_dtype=torch.int16)
+
+
+def test_int32_indices_of_a_tensor_too_large_for_them_are_an_error(monkeypatch):
+    memory, grad = inputs(200_000, seed=9)
+    monkeypatch.setattr(clt_k, "_INT32_INDEX_MAX_NUMEL", 199_999)  # as 2**31 - 1 is for larger tensors
+    with pytest.raises(ValueError, match="index_dtype torch.int32 cannot index a tensor of 200000 entries"):
+        clt_k.select_and_take(memory, grad, 2_000, "threshold", index_dtype=torch.int32)
+    indices, _ = clt_k.select_and_take(memory, grad, 2_000, "threshold", index_dtype=torch.int64)
+    assert indices.dtype == torch.int64 and indices.numel() == 2_000

@@ -27,7 +27,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from hvd_scalecom import native
+from hvd_scalecom import config, native
 
 
 def memory_dtype(grad_dtype):
@@ -139,6 +139,9 @@ def select_and_take(memory, grad, k, selection="exact", scratch=None, index_dtyp
     :func:`take_checking`."""
     if index_dtype is not torch.int64 and index_dtype is not torch.int32:
         raise ValueError(f"index_dtype must be torch.int64 or torch.int32, got {index_dtype}")
+    if index_dtype is torch.int32 and memory.numel() > _INT32_INDEX_MAX_NUMEL:
+        raise ValueError(f"index_dtype torch.int32 cannot index a tensor of {memory.numel()} entries "
+                         f"(at most {_INT32_INDEX_MAX_NUMEL}): use torch.int64")
     selected = _native_select_of_sum(memory, grad, k, selection, index_dtype)
     if selected is not None:
         indices, values, finite, (kth, ties) = selected
@@ -170,6 +173,7 @@ def _native_select_of_sum(memory, grad, k, selection, index_dtype=torch.int64):
 _THRESHOLD_MIN_NUMEL = 1 << 16  # torch operations: below this, torch.topk is about as fast
 _NATIVE_THRESHOLD_MIN_NUMEL = 1 << 10  # the C selection: faster than torch.topk from a few thousand entries
 _NATIVE_SELECT_MAX_NUMEL = 1 << 31  # the C selection keeps its candidates' indices as int32
+_INT32_INDEX_MAX_NUMEL = config.INT32_INDEX_MAX_NUMEL
 # The leader's decompress finds I from the selection's cut (instead of marking the indices) from this
 # many entries on (16 MB of fp32: beyond the caches), where it was measured faster (25M entries); on
 # tensors that sit in the caches (1M entries) marking the indices was faster.
