@@ -11,7 +11,7 @@ import pytest
 import torch
 from scalar_kernels import rerun_with_scalar_kernels
 
-from hvd_scalecom import native
+from hvd_scalecom import config, native
 from hvd_scalecom.native import torch_operations
 from hvd_scalecom.torch import clt_k
 
@@ -420,7 +420,7 @@ def test_leader_indices_in_the_dtype_asked_for_on_every_path(index_dtype):
 
 def test_int32_indices_of_a_tensor_too_large_for_them_are_an_error(monkeypatch):
     memory, grad = inputs(200_000, seed=9)
-    monkeypatch.setattr(clt_k, "_INT32_INDEX_MAX_NUMEL", 199_999)  # as 2**31 - 1 is for larger tensors
+    monkeypatch.setattr(config, "INT32_INDEX_MAX_NUMEL", 199_999)  # as 2**31 - 1 is for larger tensors
     with pytest.raises(ValueError, match="index_dtype torch.int32 cannot index a tensor of 200000 entries"):
         clt_k.select_and_take(memory, grad, 2_000, "threshold", index_dtype=torch.int32)
     indices, _ = clt_k.select_and_take(memory, grad, 2_000, "threshold", index_dtype=torch.int64)

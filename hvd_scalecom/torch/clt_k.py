@@ -76,7 +76,7 @@ def select_top_k(p, k, selection="exact"):
     if k >= numel:
         return torch.arange(numel, device=p.device)
     p = p.reshape(-1)
-    native_applies = numel < _NATIVE_SELECT_MAX_NUMEL and _native_applies(p)
+    native_applies = numel <= config.INT32_INDEX_MAX_NUMEL and _native_applies(p)  # (int32 candidates)
     if selection == "exact" or not _thresholded(numel, k, native_applies):
         return torch.topk(p.abs(), k, sorted=False).indices
     if native_applies:
@@ -139,9 +139,9 @@ def select_and_take(memory, grad, k, selection="exact", scratch=None, index_dtyp
     :func:`take_checking`."""
     if index_dtype is not torch.int64 and index_dtype is not torch.int32:
         raise ValueError(f"index_dtype must be torch.int64 or torch.int32, got {index_dtype}")
-    if index_dtype is torch.int32 and memory.numel() > _INT32_INDEX_MAX_NUMEL:
+    if index_dtype is torch.int32 and memory.numel() > config.INT32_INDEX_MAX_NUMEL:
         raise ValueError(f"index_dtype torch.int32 cannot index a tensor of {memory.numel()} entries "
-                         f"(at most {_INT32_INDEX_MAX_NUMEL}): use torch.int64")
+                         f"(at most {config.INT32_INDEX_MAX_NUMEL}): use torch.int64")
     selected = _native_select_of_sum(memory, grad, k, selection, index_dtype)
     if selected is not None:
         indices, values, finite, (kth, ties) = selected
@@ -164,16 +164,14 @@ def _native_select_of_sum(memory, grad, k, selection, index_dtype=torch.int64):
     """:func:`_native_select` of ``(m, g)`` where it applies, else None."""
     grad = _flat(grad)
     numel = memory.numel()
-    if (selection == "threshold" and k < numel < _NATIVE_SELECT_MAX_NUMEL and _thresholded(numel, k, True)
-            and _native_applies(memory, grad)):
+    if (selection == "threshold" and k < numel <= config.INT32_INDEX_MAX_NUMEL  # (int32 candidates)
+            and _thresholded(numel, k, True) and _native_applies(memory, grad)):
         return _native_select(memory, grad, k, index_dtype)
     return None
 
 
 _THRESHOLD_MIN_NUMEL = 1 << 16  # torch operations: below this, torch.topk is about as fast
 _NATIVE_THRESHOLD_MIN_NUMEL = 1 << 10  # the C selection: faster than torch.topk from a few thousand entries
-_NATIVE_SELECT_MAX_NUMEL = 1 << 31  # the C selection keeps its candidates' indices as int32
-_INT32_INDEX_MAX_NUMEL = config.INT32_INDEX_MAX_NUMEL
 # The leader's decompress finds I from the selection's cut (instead of marking the indices) from this
 # many entries on (16 MB of fp32: beyond the caches), where it was measured faster (25M entries); on
 # tensors that sit in the caches (1M entries) marking the indices was faster.
