@@ -30,17 +30,17 @@ def replace_section(path, name, body):
         f.write(text)
 
 
-def interleaved(variants, rounds, reference, prepare=None):
+def interleaved(variants, rounds, references, prepare=None):
     """Time every callable of ``variants`` once per round, in turn, ``rounds`` times.
 
     ``prepare()`` (not timed) runs before each call. Every timed call directly follows an untimed
     call of the same variant (and a ``prepare()``), so each variant, the reference included, starts
     from the caches its own work leaves: otherwise the variant after a heavy one (large temporaries)
     starts colder than the others, and a ratio to it is skewed. Returns ``{name: (median seconds,
-    median ratio to the reference variant within the same round, best seconds)}``: a ratio taken
-    round by round cancels much of the noise that other processes on the machine add, and the best
-    round shows the cost without preemption (on a loaded machine a call of a few ms is often
-    descheduled).
+    {reference: median ratio to that variant within the same round}, best seconds)}`` for the names
+    in ``references``: a ratio taken round by round cancels much of the noise that other processes
+    on the machine add, and the best round shows the cost without preemption (on a loaded machine a
+    call of a few ms is often descheduled).
     """
     times = {name: [] for name in variants}
     for _ in range(rounds):
@@ -52,8 +52,9 @@ def interleaved(variants, rounds, reference, prepare=None):
                 fn()
                 if timed:
                     times[name].append(time.perf_counter() - start)
-    ref = times[reference]
-    return {name: (statistics.median(ts), statistics.median(t / r for t, r in zip(ts, ref)), min(ts))
+    return {name: (statistics.median(ts),
+                   {ref: statistics.median(t / r for t, r in zip(ts, times[ref])) for ref in references},
+                   min(ts))
             for name, ts in times.items()}
 
 

@@ -375,6 +375,15 @@ def test_all_finite_sees_nan_and_both_infinities(dtype):
             assert not clt_k.all_finite(poisoned)
 
 
+@pytest.mark.parametrize("numel", [1, 16, 1000, 4099])
+def test_the_benchmarks_fused_pass_updates_the_memory_as_torch_and_zeroes_the_gradient(numel):
+    memory, grad = inputs(numel)
+    expected = memory.clone().add_(grad, alpha=BETA)
+    native.library().hsc_fused_pass(memory.data_ptr(), grad.data_ptr(), numel, BETA)
+    assert torch.equal(memory, expected)
+    assert torch.equal(grad, torch.zeros(numel))
+
+
 def test_processes_building_at_once_into_an_empty_cache_all_load_one_library(tmp_path):
     """Ranks start together: each may compile, each installs a whole library atomically."""
     code = ("import torch, warnings; warnings.simplefilter('error'); from hvd_scalecom import native; "

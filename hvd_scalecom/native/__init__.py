@@ -130,6 +130,8 @@ def _declare(lib):
     lib.hsc_scatter_if_finite.argtypes = [ptr, ptr, i64, ptr, ptr, i64]
     lib.hsc_all_finite.restype = i32
     lib.hsc_all_finite.argtypes = [ptr, i64]
+    lib.hsc_fused_pass.restype = None
+    lib.hsc_fused_pass.argtypes = [ptr, ptr, i64, f32]
     lib.hsc_sketch.restype = i32
     lib.hsc_sketch.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr]
     lib.hsc_estimate.restype = i32

@@ -13,6 +13,8 @@
  * hsc_scatter_if_finite:   step 5 after hsc_take_advancing, into the buffer that the values'
  *                          finiteness frees.
  * hsc_all_finite:          whether every entry is finite (the reduced values, before step 4).
+ * hsc_fused_pass:          not used by the compressor: the least any compress + decompress must
+ *                          move, the second floor of benchmarks/kernels.py.
  *
  * Compiled by hvd_scalecom/native/__init__.py with -ffp-contract=off: every rounding is the one
  * written here (m + beta g is fmaf, as torch's add(alpha=) computes it on the CPU).
@@ -588,4 +590,15 @@ int hsc_scatter_if_finite(float *restrict memory, float *restrict g, int64_t n, 
     const int finite = hsc_all_finite(values, k);
     hsc_scatter_marked(finite ? memory : g, n, bits, values);
     return finite;
+}
+
+/* m = m + beta g (fmaf) and g = 0 in one pass, reading m and g and writing both (16 bytes per entry):
+ * the least traffic of any compress + decompress under Horovod's contract, which updates the memory
+ * and hands back a dense gradient. Not used by the compressor: benchmarks/kernels.py measures its
+ * passes against this and against m.add_(g) (12 bytes per entry, the memory update alone). */
+void hsc_fused_pass(float *restrict m, float *restrict g, int64_t n, float beta) {
+    for (int64_t i = 0; i < n; i++) {
+        m[i] = fmaf(beta, g[i], m[i]);
+        g[i] = 0.0f;
+    }
 }
