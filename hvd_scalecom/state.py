@@ -33,3 +33,20 @@ def check_size(name, key, value, numel, what="parameter"):
     size = math.prod(shape) if shape is not None else int(np.size(value))
     if size != numel:
         raise ValueError(f"state {key} of {name!r} has {size} entries, the {what} {numel}")
+
+
+def check_next_indices(name, value, k, numel, selects_ahead):
+    """``(step, indices)`` of a pipelined ScaleCom state entry, ``indices`` as a NumPy array of ``k``
+    integers in ``[0, numel)``; ValueError naming ``name`` otherwise, or where the tensor is never
+    selected ahead (not ``selects_ahead``: ``pipelined=False`` or fewer than ``min_numel`` entries)."""
+    if not selects_ahead:
+        raise ValueError(f"state has next_indices for {name!r}, which this ScaleCom never selects ahead "
+                         f"(pipelined=False or fewer than min_numel entries)")
+    if not (isinstance(value, (tuple, list)) and len(value) == 2):
+        raise ValueError(f"state next_indices of {name!r} must be (step, indices)")
+    step, indices = value[0], np.asarray(value[1])
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise ValueError(f"state next_indices of {name!r}: step must be an int >= 0, got {step!r}")
+    if indices.shape != (k,) or indices.dtype.kind not in "iu" or not np.all((indices >= 0) & (indices < numel)):
+        raise ValueError(f"state next_indices of {name!r} must be {k} integers in [0, {numel})")
+    return int(step), indices

@@ -286,9 +286,13 @@ def same(a, b):
 def with_last(good, **entry):
     """``good`` with every parameter's entry changed validly (step 9) but the last one's broken by
     ``entry``: a load that applies entries one by one before failing shows as a changed state."""
+    return with_broken(good, list(good["params"])[-1], **entry)
+
+
+def with_broken(good, name, **entry):
+    """As :func:`with_last`, the entry of parameter ``name`` broken (the others' steps set to 9)."""
     params = {n: {**e, "step": 9} for n, e in good["params"].items()}
-    last = list(params)[-1]
-    params[last] = {**params[last], **entry}
+    params[name] = {**params[name], **entry}
     return {**good, "params": params}
 
 
@@ -326,6 +330,39 @@ def trained_scalecom():
 def scalecom_rows(good):
     return per_parameter_rows(good, "memory", "5 entries") + [
         (with_last(good, memory=torch.ones(2, dtype=torch.int64)), TypeError, "memory"),
+        (with_last(good, scale=-2.0), ValueError, "scale"),
+        (with_last(good, scale="x"), ValueError, "scale"),
+        (with_broken(good, "1.weight", next_indices=(4, torch.arange(6, dtype=torch.int32))), ValueError,
+         "never selects ahead"),
+    ]
+
+
+def trained_pipelined_scalecom():
+    """A pipelined ScaleCom holding next-step indices for its compressed parameters."""
+    compression = torch_scalecom(ratio=0.1, min_numel=50, pipelined=True)
+    state = compression.state_dict()
+    for i, (name, entry) in enumerate(state["params"].items()):
+        numel = compression._slots[i].param.numel()
+        entry["step"] = 4
+        entry["memory"] = torch.full((numel,), 0.5 + i)
+        if numel >= 50:
+            entry["next_indices"] = (4, torch.arange(0, numel, 10, dtype=torch.int32))
+    compression.load_state_dict(state)
+    return compression
+
+
+def pipelined_scalecom_rows(good):
+    """Bad next-step indices on "1.weight" (60 entries, k = 6), after "0.weight"'s good ones."""
+    ahead = good["params"]["1.weight"]["next_indices"][1]
+    return [
+        (with_broken(good, "1.weight", next_indices="x"), ValueError, "(step, indices)"),
+        (with_broken(good, "1.weight", next_indices=(4,)), ValueError, "(step, indices)"),
+        (with_broken(good, "1.weight", next_indices=(-1, ahead)), ValueError, "step"),
+        (with_broken(good, "1.weight", next_indices=(True, ahead)), ValueError, "step"),
+        (with_broken(good, "1.weight", next_indices=(4, ahead[:5])), ValueError, "6 integers in [0, 60)"),
+        (with_broken(good, "1.weight", next_indices=(4, ahead + 60)), ValueError, "6 integers in [0, 60)"),
+        (with_broken(good, "1.weight", next_indices=(4, ahead.float())), ValueError, "6 integers"),
+        (with_broken(good, "1.bias", next_indices=(4, ahead[:1])), ValueError, "never selects ahead"),
     ]
 
 
@@ -379,6 +416,7 @@ def simulator_rows(good):
 
 
 LOADERS = {"ScaleCom": (trained_scalecom, scalecom_rows),
+           "ScaleCom, pipelined": (trained_pipelined_scalecom, pipelined_scalecom_rows),
            "SketchedSGD": (lambda: torch_sketched(ratio=0.1, min_numel=50), sketched_rows),
            "QsparseLocalSGD": (lambda: torch_qsparse(ratio=0.1), qsparse_rows),
            "Simulator": (trained_simulator, simulator_rows)}
@@ -398,3 +436,18 @@ def test_bad_state_changes_nothing(kind, row):
     assert same(target.state_dict(), before), "a rejected state changed the object"
     target.load_state_dict(before)  # and the good state still loads
     assert same(target.state_dict(), before)
+
+
+def test_a_saved_memory_loads_flat_in_the_memorys_dtype_and_on_its_own_storage():
+    """A memory saved as another shape of the same size (or in fp16) is restored as compress keeps it:
+    flat, fp32 for fp32 parameters, a copy of what was given."""
+    compression = trained_scalecom()
+    state = compression.state_dict()
+    saved = torch.arange(1200, dtype=torch.float16).view(1200, 1)
+    state["params"]["0.weight"]["memory"] = saved
+    compression.load_state_dict(state)
+    memory = compression.state_dict()["params"]["0.weight"]["memory"]
+    assert memory.shape == (1200,) and memory.dtype == torch.float32
+    assert torch.equal(memory, torch.arange(1200, dtype=torch.float32))
+    saved.zero_()
+    assert torch.equal(compression.state_dict()["params"]["0.weight"]["memory"], memory)

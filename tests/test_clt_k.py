@@ -86,6 +86,22 @@ def test_ties_all_equal_and_mostly_zeros():
     assert_same_set(mostly, 200, clt_k.select_top_k(mostly, 200, "threshold"))
 
 
+def test_a_nan_does_not_hide_the_finite_entries_of_its_column():
+    """NaN entries are never selected by "threshold", on either path; a large finite entry sharing
+    the torch path's grid column with a NaN is still found."""
+    from hvd_scalecom.native import torch_operations
+
+    numel = 1 << 17
+    p = torch.randn(numel, generator=torch.Generator().manual_seed(3))
+    p[12345], p[12345 + numel // 8], p[777] = 50.0, float("nan"), float("inf")  # 12345's column: the NaN
+    finite = torch.where(torch.isnan(p), torch.zeros(()), p)
+    expected = torch.topk(finite.abs(), 100).indices.sort().values
+    with torch_operations():
+        on_torch = clt_k.select_top_k(p, 100, "threshold").sort().values
+    assert torch.equal(on_torch, expected)
+    assert torch.equal(clt_k.select_top_k(p, 100, "threshold").sort().values, expected)
+
+
 def test_biased_sample_falls_back_or_keeps_many_candidates():
     """The sample positions hold values unlike the rest: the threshold is then far off in either
     direction, and the result must still be exact (fallback, or a large candidate set)."""

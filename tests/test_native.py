@@ -342,6 +342,32 @@ def test_bad_indices_raise_before_anything_is_written():
     assert torch.equal(grad, grad_before) and torch.equal(memory, memory_before)
 
 
+@pytest.mark.parametrize("path", ["C", "torch operations"])
+def test_mismatched_or_out_of_range_pairs_raise_before_anything_is_written(path):
+    """filter_and_scatter_ on either path, and filter_and_scatter_advanced (C), check the reduced values
+    against the indices before writing the memory or the gradient."""
+    memory, grad = inputs(10_000)
+    memory_before, grad_before = memory.clone(), grad.clone()
+    taken = clt_k.Taken(torch.ones(3), True, torch.ones(3))
+    block = torch_operations() if path == "torch operations" else contextlib.nullcontext()
+    with block:
+        with pytest.raises(ValueError, match="2 reduced values for 3 indices"):
+            clt_k.filter_and_scatter_(memory, grad, torch.tensor([1, 5, 9]), torch.ones(2), taken, torch.ones(3), BETA)
+        with pytest.raises(IndexError, match=r"indices must lie in \[0, 10000\)"):
+            clt_k.filter_and_scatter_(memory, grad, torch.tensor([1, 5, 10_000]), torch.ones(3), taken,
+                                      torch.ones(3), BETA)
+    assert torch.equal(grad, grad_before) and torch.equal(memory, memory_before)
+    memory, grad = inputs(1 << 19)
+    indices = torch.tensor([10, 100, 1000, 3000], dtype=torch.int32)
+    marks = clt_k.Marks(grad.numel())
+    taken = clt_k.take_advancing_(memory, grad, indices, BETA, marks)
+    memory_before, grad_before = memory.clone(), grad.clone()
+    for reduced in (torch.ones(1), torch.ones(5)):
+        with pytest.raises(ValueError, match=f"{reduced.numel()} reduced values for 4 indices"):
+            clt_k.filter_and_scatter_advanced(memory, grad, indices, reduced, taken, taken.values, BETA, marks)
+    assert torch.equal(grad, grad_before) and torch.equal(memory, memory_before)
+
+
 def test_disabled_by_the_environment_variable():
     code = ("import torch; from hvd_scalecom import native; from hvd_scalecom.torch import clt_k; "
             "assert native.library() is None; "

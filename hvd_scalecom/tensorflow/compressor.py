@@ -48,7 +48,7 @@ from horovod.tensorflow.compression import Compressor
 
 from hvd_scalecom import agreement
 from hvd_scalecom.config import INDEX_DTYPES, VALUE_DTYPES, ScaleComConfig, check_dtype_name
-from hvd_scalecom.state import check_size, checked_params
+from hvd_scalecom.state import check_next_indices, check_size, checked_params
 from hvd_scalecom.tensorflow import clt_k
 from hvd_scalecom.traffic import StepTraffic
 
@@ -502,7 +502,8 @@ class ScaleCom(tf.Module, Compressor):
                 check_size(name, "memory", memory, slot.numel, "variable")
             memories[name] = memory
             if "next_indices" in entry:
-                ahead[name] = self._checked_next_indices(slot, entry["next_indices"])
+                ahead[name] = check_next_indices(name, entry["next_indices"], slot.k, slot.numel,
+                                                 self.config.pipelined and slot.compressible)
         for name, entry in params.items():
             slot = self._by_name[name]
             slot.step.assign(int(entry["step"]))
@@ -519,24 +520,6 @@ class ScaleCom(tf.Module, Compressor):
                 slot.ahead_step.assign(step)
         self._cursor_graph = None
         self._cursor = 0
-
-
-    def _checked_next_indices(self, slot, value):
-        """``(step, indices)`` of a pipelined state entry, checked; ValueError naming the variable."""
-        if not self.config.pipelined or not slot.compressible:
-            raise ValueError(f"state has next_indices for {slot.name!r}, which this ScaleCom never "
-                             f"selects ahead (pipelined=False or fewer than min_numel entries)")
-        if not (isinstance(value, (tuple, list)) and len(value) == 2):
-            raise ValueError(f"state next_indices of {slot.name!r} must be (step, indices)")
-        step, indices = value[0], np.asarray(value[1])
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-            raise ValueError(f"state next_indices of {slot.name!r}: step must be an int >= 0, "
-                             f"got {step!r}")
-        if indices.shape != (slot.k,) or indices.dtype.kind not in "iu" \
-                or not np.all((indices >= 0) & (indices < slot.numel)):
-            raise ValueError(f"state next_indices of {slot.name!r} must be {slot.k} integers in "
-                             f"[0, {slot.numel})")
-        return int(step), indices
 
 
 def _scaled(traffic, times):

@@ -348,7 +348,7 @@ def _at_least(p, threshold):
     grid = p[:cols * _GRID_ROWS].view(_GRID_ROWS, cols)  # grid[r, c] is p[r * cols + c]
     column_max = torch.amax(grid, 0)
     torch.maximum(column_max, torch.amin(grid, 0).neg_(), out=column_max)  # max |p| per column
-    hot = torch.nonzero(column_max >= threshold).view(-1)
+    hot = torch.nonzero(~(column_max < threshold)).view(-1)  # (a NaN makes its column's max NaN: hot)
     block = grid.index_select(1, hot).abs_()  # the hot columns, (rows, len(hot))
     at = torch.nonzero(block.view(-1) >= threshold).view(-1)
     indices = (_row_offsets(_GRID_ROWS, cols, p.device) + hot).view(-1).index_select(0, at)
@@ -446,11 +446,21 @@ def filter_and_scatter_(memory, grad, indices, reduced, taken, sent, beta):
                 _keep_rounding_error_(memory, indices, taken.values, sent, beta)
             return updated
     indices = _flat(indices, torch.int64)
+    _check_pairs(indices, reduced, flat.numel())
     finite = all_finite(reduced)
     if finite:
         filter_memory_(memory, flat, indices, memory_at(memory, indices, taken), taken.values, sent, beta)
     scatter_dense_(grad, reduced, indices)
     return finite
+
+
+def _check_pairs(indices, reduced, numel):
+    """ValueError unless there is one reduced value per index; IndexError if an index (on the CPU)
+    is outside ``[0, numel)``: raised before anything is written."""
+    if indices.numel() != reduced.numel():
+        raise ValueError(f"{reduced.numel()} reduced values for {indices.numel()} indices")
+    if indices.is_cpu and indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= numel):
+        raise IndexError(_out_of_range(indices, numel))
 
 
 def _native_filter_and_scatter_cut_(memory, flat, reduced, cut, beta):
@@ -532,6 +542,8 @@ def filter_and_scatter_advanced(memory, grad, indices, reduced, taken, sent, bet
     flat = grad if grad.ndim == 1 else grad.view(-1)
     indices = _marked_dtype(indices)
     reduced = _flat(reduced, flat.dtype).contiguous()
+    if reduced.numel() != indices.numel():  # (the C pass reads one value per index)
+        raise ValueError(f"{reduced.numel()} reduced values for {indices.numel()} indices")
     if marks is None:
         marks = _mark(indices, flat.numel())
     if marks.order is not None:

@@ -22,7 +22,8 @@ gradients of 2**19 entries or more that own their storage, a rank that did not s
 hands the old memory's buffer back as the gradient (zeros and the reduced values, not read first) and
 keeps ``g``'s buffer as the memory: a gradient's storage changes at every step, as it does with
 Horovod's fp16 compression. ``HVD_SCALECOM_NATIVE=0`` uses torch operations instead (the same
-values, bit for bit).
+values, bit for bit, but for which of several entries tied at the k-th largest magnitude a leader
+takes: each path takes an exact top-k).
 
 Deadlock freedom: Horovod calls ``compress`` from each parameter's gradient hook, in an order that
 can differ between ranks (dynamic graphs, parameters without a gradient that Horovod reduces later in
@@ -36,6 +37,7 @@ compute, a parameter it froze with ``requires_grad_(False)``), can deadlock. (Wi
 ``timeout`` turns a wait into an error.)
 """
 
+import math
 import os
 import sys
 import time
@@ -46,7 +48,7 @@ from horovod.torch.compression import Compressor
 
 from hvd_scalecom.agreement import shapes_digest
 from hvd_scalecom.config import INDEX_DTYPES, VALUE_DTYPES, ScaleComConfig, check_dtype_name
-from hvd_scalecom.state import checked_params
+from hvd_scalecom.state import check_next_indices, checked_params
 from hvd_scalecom.torch import clt_k
 from hvd_scalecom.torch.common import (GradientLookup, check_agreement, check_process_set,
                                       check_state_entry, named_parameter_list)
@@ -285,19 +287,33 @@ class ScaleCom(Compressor):
     def load_state_dict(self, state):
         """Restore what :meth:`state_dict` returned; checks everything before changing anything."""
         params = checked_params(state, "ScaleCom", self.config.as_dict(), self._by_name)
+        restored = {}  # name -> (memory, loss scale, next step's (t, indices) or None), all checked
         for name, entry in params.items():
-            check_state_entry(name, entry, self._by_name[name].param.numel(), ("memory",), step=False)
+            param = self._by_name[name].param
+            numel = param.numel()
+            check_state_entry(name, entry, numel, ("memory",), step=False)
+            scale = entry.get("scale")
+            if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
+                                          and math.isfinite(scale) and scale > 0):
+                raise ValueError(f"state scale of {name!r} must be a positive number or None, got {scale!r}")
+            memory = entry.get("memory")
+            if memory is not None:  # flat, in the dtype compress keeps it in, on the parameter's device
+                memory = memory.detach().reshape(-1).to(device=param.device,
+                                                        dtype=clt_k.memory_dtype(param.dtype), copy=True)
+            ahead = None
+            if "next_indices" in entry:
+                t, indices = check_next_indices(
+                    name, entry["next_indices"], self.config.num_selected(numel), numel,
+                    self.config.pipelined and numel >= self.config.min_numel)
+                ahead = (t, torch.as_tensor(indices).to(device=param.device, dtype=self._index_dtype(numel),
+                                                        copy=True))
+            restored[name] = (memory, scale, ahead)
         for name, entry in params.items():
             slot = self._by_name[name]
+            slot.memory, slot.scale, ahead = restored[name]
             slot.step = int(entry["step"])
-            slot.scale = entry.get("scale")
-            memory = entry.get("memory")
-            slot.memory = None if memory is None else memory.detach().clone().to(slot.param.device)
-            slot.posted = slot.expected = None
-            if "next_indices" in entry:
-                t, indices = entry["next_indices"]
-                slot.posted = (int(t), None, indices.clone().to(slot.param.device))
-                slot.expected = int(t)
+            slot.posted = None if ahead is None else (ahead[0], None, ahead[1])
+            slot.expected = None if ahead is None else ahead[0]
             slot.excluded = False
         self._lookup.reset()
         self._posted_through = -1
