@@ -40,6 +40,12 @@ add_run("np2_second", "qsparse_different_models", "torch_seed_qsparse.py",
          "skip_broadcast": True, "model_seed_offset": 1},
         ["test_ranks_starting_from_different_models_all_raise"], fails=True)
 
+ONE_RANK_SIGN = {"operator": "sign_top_k", "local_steps": 2, "ratio": 0.05, "min_numel": 0, "steps": 4}
+FLOAT64_TOP_K = {"operator": "top_k", "local_steps": 2, "ratio": 0.05, "min_numel": 600, "steps": 4,
+                 "dtype": "float64"}
+for part, opts in (("qsparse_one_rank_sign", ONE_RANK_SIGN), ("qsparse_float64_top_k", FLOAT64_TOP_K)):
+    add_run("np1", part, "torch_seed_qsparse.py", opts, ["test_one_rank_and_float64_parameters_match_the_simulator"])
+
 
 class Net(torch.nn.Module):
     def __init__(self):
@@ -54,7 +60,7 @@ def simulator(opts, n):
                         operator=opts["operator"], levels=opts.get("levels", 256),
                         momentum=opts.get("momentum", 0.0), min_numel=opts["min_numel"],
                         seed=opts.get("seed", 0))
-    return Simulator(scheme, n, Net().named_parameters())
+    return Simulator(scheme, n, Net().to(getattr(torch, opts.get("dtype", "float32"))).named_parameters())
 
 
 def replay(sim, results, steps, first=0, rtol=1e-6, atol=1e-7):
@@ -155,6 +161,24 @@ def test_sign_momentum_int64_and_checkpoint_round_trip(request, tmp_path_factory
         entry["memory"].zero_()
     with pytest.raises(AssertionError):
         replay(forgetful, second, 3, first=5)
+
+
+def test_one_rank_and_float64_parameters_match_the_simulator(request, tmp_path_factory):
+    """horovodrun -np 1: SignTopK on all four tensors, whose int8 codes leave the gathered payload's
+    rows a width that is no multiple of 4 (its fields are read from copies of their own); and TopK on a
+    float64 model, whose values travel as float64. Both follow the simulator step by step."""
+    job = shared_job("np1", request, tmp_path_factory)
+    sign = completed(job, "qsparse_one_rank_sign", 1)
+    replay(simulator(ONE_RANK_SIGN, 1), sign, 4)
+    stats = json.loads(str(sign[0]["stats/1"]))
+    ks = {"hidden.weight": 154, "hidden.bias": 4, "out.weight": 32, "out.bias": 1}
+    assert (stats["index_bytes"], stats["value_bytes"]) == (4 * sum(ks.values()), sum(ks.values()) + 4 * 4)
+    wide = completed(job, "qsparse_float64_top_k", 1)
+    assert wide[0]["local/3/hidden.weight"].dtype == np.float64
+    updates = replay(simulator(FLOAT64_TOP_K, 1), wide, 4, rtol=1e-12, atol=1e-14)
+    assert np.count_nonzero(updates[1]["hidden.weight"].numpy()) == 154
+    stats = json.loads(str(wide[0]["stats/1"]))
+    assert (stats["index_bytes"], stats["value_bytes"]) == (4 * (154 + 32), 8 * (154 + 32))
 
 
 def test_ranks_starting_from_different_models_all_raise(request, tmp_path_factory):

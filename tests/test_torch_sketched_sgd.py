@@ -27,7 +27,7 @@ SUM_OPTS = {**BASE, "op": "sum", "groups": True, "backward_passes_per_step": 2}
 
 # -- Horovod jobs, shared with tests/test_torch_qsparse.py -------------------------------------------------
 # Starting horovodrun and importing torch and Horovod on every rank costs far more than these small runs,
-# so the runs of both files go into three jobs: in each, runs of the tests/workers scripts follow one
+# so the runs of both files go into four jobs: in each, runs of the tests/workers scripts follow one
 # another in the same processes (through runpy, with the argv horovod_job gives them), and a run that
 # must fail comes last. A job includes only the runs that the selected tests read.
 
@@ -36,7 +36,7 @@ SEQUENCE = ("import json, runpy, sys\n"
             "for script, opts, out_dir in json.loads(sys.argv[1]):\n"
             "    sys.argv = [script, opts, out_dir]\n"
             "    runpy.run_path(script, run_name='__main__')\n")
-JOBS = {"np3": 3, "np2_first": 2, "np2_second": 2}  # job: ranks; np2_second resumes np2_first's checkpoints
+JOBS = {"np3": 3, "np2_first": 2, "np2_second": 2, "np1": 1}  # job: ranks; np2_second resumes np2_first's checkpoints
 _RUNS = {job: [] for job in JOBS}
 _DONE = {}
 

@@ -290,7 +290,7 @@ class QsparseLocalSGD(torch.optim.Optimizer):
             indices, scale, codes, _ = compress_delta_(self._memory[i], drift, k, cfg.operator, cfg.levels,
                                                        noise, level_dtype)
             index_dtype, scale_dtype, code_dtype = payload_dtypes(cfg.operator, cfg.index_dtype_for(numel),
-                                                                  level_dtype)
+                                                                  level_dtype, shared.dtype)
             parts = [indices.to(index_dtype)] + ([] if scale is None else [scale.to(scale_dtype)]) + [codes]
             chunks += [part.reshape(-1).contiguous().view(torch.uint8) for part in parts]
             layout.append((i, k, index_dtype, scale_dtype, code_dtype))
@@ -341,5 +341,7 @@ def _itemsize(dtype):
 def _take(gathered, at, count, dtype):
     """``(rows, count)`` entries of ``dtype`` from byte column ``at`` of every rank's payload."""
     nbytes = count * _itemsize(dtype)
-    return gathered[:, at:at + nbytes].clone().view(dtype), at + nbytes
+    # (a copy with rows of its own width: with one rank, a plain clone keeps the payload's row stride)
+    part = gathered[:, at:at + nbytes].clone(memory_format=torch.contiguous_format)
+    return part.view(dtype), at + nbytes
 

@@ -12,10 +12,11 @@ Terms: ``x_i`` worker i's local model, ``x_last`` the shared model of the last s
 
 What travels per worker and tensor (:func:`encode`): the k indices (sorted, int32 or int64), then
 
-* ``top_k``: the k values (float32);
-* ``sign_top_k``: one float32 scale ``||Top_k||_1 / k`` and k signs as int8 (-1, 0, +1; 0 where a
+* ``top_k``: the k values (in the memory's dtype: float32, float64 for float64 parameters; so is the
+  scale of the other two);
+* ``sign_top_k``: one scale ``||Top_k||_1 / k`` and k signs as int8 (-1, 0, +1; 0 where a
   kept entry is exactly zero, which a single bit could not say);
-* ``qsgd_top_k``: one float32 norm ``||Top_k||_2`` and k signed levels ``sign * xi`` (int8 for s <= 127,
+* ``qsgd_top_k``: one norm ``||Top_k||_2`` and k signed levels ``sign * xi`` (int8 for s <= 127,
   int16 for s <= 32767, else int32).
 
 :func:`decode` rebuilds exactly (bit for bit) what :func:`hvd_scalecom.torch.quantize.sign_top_k` and
@@ -89,9 +90,10 @@ def mean_of_sparse(indices, c, numel, n):
     return summed / n
 
 
-def payload_dtypes(operator, index_dtype, level_dtype):
-    """``(index, scale or None, codes)`` torch dtypes of one tensor's wire form."""
-    codes = {"top_k": torch.float32, "sign_top_k": torch.int8,
+def payload_dtypes(operator, index_dtype, level_dtype, value_dtype=torch.float32):
+    """``(index, scale or None, codes)`` torch dtypes of one tensor's wire form; values and scales
+    travel in ``value_dtype``, the memory's (float32, or float64 for float64 parameters)."""
+    codes = {"top_k": value_dtype, "sign_top_k": torch.int8,
              "qsgd_top_k": _INT_DTYPES[level_dtype]}[operator]
-    scale = None if operator == "top_k" else torch.float32
+    scale = None if operator == "top_k" else value_dtype
     return _INT_DTYPES[index_dtype], scale, codes

@@ -35,7 +35,7 @@ class Net(torch.nn.Module):
 
 
 torch.manual_seed(opts.get("model_seed_offset", 0) * rank)  # offset: ranks start from different models
-model = Net()
+model = Net().to(getattr(torch, opts.get("dtype", "float32")))
 named = list(model.named_parameters())
 params = [p for _, p in named]
 local = torch.optim.SGD(model.parameters(), lr=0.1, momentum=opts.get("momentum", 0.0))
@@ -60,7 +60,7 @@ record = {}
 first_step = opts.get("first_step", 0)
 for t in range(first_step, first_step + opts.get("steps", 6)):
     data_gen = torch.Generator().manual_seed(10000 * t + rank)
-    x = torch.randn(16, 48, generator=data_gen)
+    x = torch.randn(16, 48, generator=data_gen).to(next(model.parameters()).dtype)
     y = torch.randint(0, 10, (16,), generator=data_gen)
     optimizer.zero_grad()
     torch.nn.functional.cross_entropy(model(x), y).backward()
