@@ -23,7 +23,8 @@ def checked_params(state, scheme, config, names, what="parameters"):
     for name, entry in params.items():
         if not isinstance(entry, dict):
             raise TypeError(f"state entry of {name!r} must be a dict, got {type(entry).__name__}")
-        check_int(entry.get("step"), f"state step of {name!r}", 0)
+        if check_int(entry.get("step"), f"state step of {name!r}", 0) >= 2 ** 63:
+            raise ValueError(f"state step of {name!r} must be below 2**63 (an int64 counter), got {entry['step']}")
     return params
 
 

@@ -331,6 +331,7 @@ def scalecom_rows(good):
     return per_parameter_rows(good, "memory", "5 entries") + [
         (with_last(good, memory=torch.ones(2, dtype=torch.int64)), TypeError, "memory"),
         (with_last(good, scale=-2.0), ValueError, "scale"),
+        (with_last(good, step=2 ** 63), ValueError, "below 2**63"),
         (with_last(good, scale="x"), ValueError, "scale"),
         (with_broken(good, "1.weight", next_indices=(4, torch.arange(6, dtype=torch.int32))), ValueError,
          "never selects ahead"),

@@ -109,6 +109,35 @@ def test_scalecom_matches_paper_reference(beta, leader, warmup, value_dtype, pip
     assert np.count_nonzero(results[-1].update[0].numpy()) == 6  # k = ceil(0.2 * 30)
 
 
+@pytest.mark.parametrize("bad", ["inf off I", "nan", "fp16 overflow"])
+def test_scalecom_a_non_finite_mean_leaves_every_memory_as_it_was(bad):
+    """As the Horovod compressor does: a worker whose gradient is not finite (anywhere, even off the
+    leader's indices) sends NaN, and a non-finite mean (that, or fp16 values that overflow) skips
+    every worker's memory update for that tensor; the update still carries the mean at I."""
+    grads = make_grads(steps=3)
+    value_dtype = "float16" if bad == "fp16 overflow" else None
+    scheme = ScaleCom(ratio=0.2, beta=0.5, min_numel=MIN_NUMEL, value_dtype=value_dtype)
+    sim, _ = simulate(scheme, grads[:2])
+    before = sim.scheme.state["w"]["memory"].clone()
+    last = [{name: g.copy() for name, g in worker.items()} for worker in grads[2]]
+    chosen = np.flatnonzero(simulate(ScaleCom(ratio=0.2, beta=0.5, min_numel=MIN_NUMEL), grads)[1][2]
+                            .update[0].numpy())  # the leader's indices at that step, had it been finite
+    if bad == "inf off I":
+        last[1]["w"].reshape(-1)[[j for j in range(30) if j not in chosen][0]] = np.inf
+    elif bad == "nan":
+        last[3]["w"].reshape(-1)[chosen[0]] = np.nan
+    else:
+        last[2]["w"].reshape(-1)[chosen[0]] = 1e5  # beyond fp16's 65,504
+    result = sim.step([[torch.from_numpy(last[i][name]) for name in NAMES] for i in range(N)])
+    assert torch.equal(sim.scheme.state["w"]["memory"], before)
+    assert sim.scheme.nonfinite_skips == 1
+    update = result.update[0].numpy().reshape(-1)
+    assert set(np.flatnonzero(update)) == set(chosen) and not np.isfinite(update[chosen]).all()
+    assert np.isfinite(np.delete(update, chosen)).all()
+    finite = sim.step([[torch.from_numpy(g[name]) for name in NAMES] for g in grads[0]])
+    assert np.isfinite(finite.update[0].numpy()).all() and sim.scheme.nonfinite_skips == 1
+
+
 def test_scalecom_overlap_and_residue_diagnostics():
     grads = make_grads(shared=0.5)
     beta, k = 0.5, 6
@@ -469,6 +498,22 @@ def test_powersgd(rank):
                                rtol=1e-4, atol=1e-5)
     assert results[-1].diagnostics["residue_norm"] == pytest.approx(
         np.mean(np.linalg.norm(error.reshape(N, -1), axis=1)), rel=1e-4)
+
+
+def test_powersgd_on_float64_gradients_keeps_float64_factors():
+    grads = [[{name: g.astype(np.float64) for name, g in worker.items()} for worker in step]
+             for step in make_grads(steps=2)]
+    params = [(name, torch.nn.Parameter(torch.zeros(shape, dtype=torch.float64))) for name, shape in SHAPES.items()]
+    sim = Simulator(PowerSGD(rank=1, min_numel=MIN_NUMEL, seed=3), N, params)
+    Q = torch.randn(5, 1, generator=torch.Generator().manual_seed(3 * 100_003)).double().numpy()
+    M = np.array([g["w"] for g in grads[0]])
+    P_hat = np.linalg.qr(np.mean([M[i] @ Q for i in range(N)], axis=0))[0]
+    approx = P_hat @ np.mean([M[i].T @ P_hat for i in range(N)], axis=0).T
+    result = sim.step([[torch.from_numpy(g[name]) for name in NAMES] for g in grads[0]])
+    assert result.update[0].dtype == torch.float64
+    np.testing.assert_allclose(result.update[0].numpy(), approx, rtol=1e-7, atol=1e-9)  # (the eps of orthogonalise_)
+    assert result.traffic.payload() == 8 * (6 + 5) + 8 * 4  # the factors and the dense bias
+    sim.step([[torch.from_numpy(g[name]) for name in NAMES] for g in grads[1]])
 
 
 def test_powersgd_orthogonalise_gives_orthonormal_columns():

@@ -20,7 +20,9 @@ def shapes(hidden=64):
 
 
 def check_against_reference(results, opts, steps, rtol=2e-5, atol=1e-6, value_dtype=np.float32,
-                            label="", skip=()):
+                            label="", skip=(), times=1):
+    """Every rank's applied gradients against the reference's (the mean over ranks; ``times`` that:
+    the number of ranks where the tape sums)."""
     first = opts.get("first_step", 0)
     grads = [[{n: r[f"{label}raw/{t}/{n}"] for n in NAMES} for r in results]
              for t in range(first, first + steps)]
@@ -31,7 +33,7 @@ def check_against_reference(results, opts, steps, rtol=2e-5, atol=1e-6, value_dt
     for t in range(steps):
         for n in NAMES:
             for rank, r in enumerate(results):
-                np.testing.assert_allclose(r[f"{label}applied/{first + t}/{n}"], applied[t][n],
+                np.testing.assert_allclose(r[f"{label}applied/{first + t}/{n}"], times * applied[t][n],
                                            rtol=rtol, atol=atol,
                                            err_msg=f"step {first + t}, {n}, rank {rank}")
     return applied, memories
@@ -213,6 +215,36 @@ def test_pipelined_matches_reference(horovod_job):
         np.testing.assert_array_equal(np.sort(r["next_indices/hidden.weight"]), expected)
 
 
+def test_a_summing_tape_sums_in_warm_up_and_compressed_steps(horovod_job):
+    """op=hvd.Sum given to the tape and to ScaleCom: warm-up steps (reduced densely by ScaleCom
+    itself) and compressed ones both apply the sum over ranks, twice the reference's mean."""
+    opts = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 2, "min_numel": 600, "steps": 4,
+            "mode": "function", "op": "sum"}
+    results, _ = horovod_job("tf_scalecom.py", opts, np=2)
+    applied, _ = check_against_reference(results, opts, steps=4, times=2)
+    assert density(applied[0], "hidden.weight") == 1.0 and density(applied[3], "hidden.weight") < 0.1
+    check_identical_weights(results)
+
+
+def test_huge_finite_gradients_are_sent_not_taken_for_non_finite(tmp_path):
+    """The finiteness check goes entry by entry: gradients whose sum overflows fp32 are finite."""
+    import subprocess
+    import sys
+
+    code = ("import numpy as np, tensorflow as tf, horovod.tensorflow as hvd\n"
+            "from hvd_scalecom.tensorflow import ScaleCom\n"
+            "hvd.init()\n"
+            "w = tf.Variable(tf.zeros([64]))\n"
+            "compression = ScaleCom([w], ratio=0.05, min_numel=10)\n"
+            "grad = tf.constant(np.r_[[3e38, 3e38, 3e38], np.arange(61.0)], tf.float32)\n"
+            "values, ctx = compression.compress(grad)\n"
+            "import json; print('VALUES', json.dumps(sorted(values.numpy().tolist())))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = [ln for ln in done.stdout.splitlines() if ln.startswith("VALUES ")][-1]
+    assert json.loads(line[len("VALUES "):]) == pytest.approx([60.0, 3e38, 3e38, 3e38], rel=1e-6)
+
+
 def test_staggered_leader_fp16_values_threshold_selection_process_set(horovod_job):
     """3 ranks, training on the process set {0, 2} (broadcast roots are global ranks), a hidden
     layer of 67,200 entries (so "threshold" runs its sampled path)."""
@@ -277,7 +309,8 @@ def test_bad_arguments_name_the_argument(tf_modules):
         (dict(warmup_steps=-1), ValueError, "warmup_steps"),
         (dict(warmup_steps=1.5), TypeError, "warmup_steps"),
         (dict(min_numel=-3), ValueError, "min_numel"), (dict(leader="random"), ValueError, "leader"),
-        (dict(selection="approx"), ValueError, "selection"),
+        (dict(selection="approx"), ValueError, "selection"), (dict(op=2), ValueError, "op"),
+        (dict(op=True), ValueError, "op"),
         (dict(value_dtype=tf.int8), ValueError, "value_dtype"),
         (dict(index_dtype=tf.float32), ValueError, "index_dtype"),
         (dict(process_set=0), TypeError, "process_set"),
@@ -329,9 +362,13 @@ def test_load_state_dict_checks_everything_first(tf_modules):
                               "b": {"step": 3, "memory": None}}}, "7 entries"),
         ({**state, "params": {"w": {"step": 3, "memory": good_memory},
                               "b": {"step": -1, "memory": None}}}, "step of 'b'"),
+        ({**state, "params": {"w": {"step": 3, "memory": good_memory},
+                              "b": {"step": 2 ** 63, "memory": None}}}, "step of 'b' must be below 2\\*\\*63"),
+        ({**state, "params": {"b": {"step": 3, "memory": None},
+                              "w": {"step": 3, "memory": np.array(["x"] * 1200)}}}, "memory of 'w'"),
     ]
     for candidate, word in bad:
-        with pytest.raises(ValueError, match=word):
+        with pytest.raises((ValueError, TypeError), match=word):
             compression.load_state_dict(candidate)
         # Nothing changed by a rejected state.
         assert [int(s.numpy()) for s in compression.steps] == [0, 0]

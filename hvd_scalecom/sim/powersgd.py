@@ -12,11 +12,13 @@ import torch
 
 from hvd_scalecom.config import ScaleComConfig, check_int
 from hvd_scalecom.sim.base import Scheme, mean_over_workers
+from hvd_scalecom.sim.traffic import dtype_name
 from hvd_scalecom.torch.powersgd import approximation, as_matrix, left_factor, orthogonalise_, right_factor
 
 
 class PowerSGD(Scheme):
-    """Rank-``rank`` PowerSGD with warm start and error feedback; the factors travel as fp32."""
+    """Rank-``rank`` PowerSGD with warm start and error feedback; the factors travel as fp32 (float64
+    for float64 gradients)."""
 
     name = "powersgd"
 
@@ -37,10 +39,10 @@ class PowerSGD(Scheme):
         n = G.shape[0]
         rows, cols = as_matrix(spec.shape)
         entry = self.state[spec.name]
+        error = self.memory(spec, G, key="error")  # fp32, or the gradient's dtype if wider (float64)
         if "q" not in entry:
             generator = torch.Generator().manual_seed(self.seed * 100_003 + spec.index)
-            entry["q"] = torch.randn(cols, self.rank, generator=generator).to(G.device, torch.float32)
-        error = self.memory(spec, G, key="error")
+            entry["q"] = torch.randn(cols, self.rank, generator=generator).to(G.device, error.dtype)
         M = (error + G).view(n, rows, cols)                                   # M_i = g_i + e_i
         P = mean_over_workers(left_factor(M, entry["q"]))                     # allreduce 1
         orthogonalise_(P)
@@ -48,8 +50,8 @@ class PowerSGD(Scheme):
         applied = approximation(P, Q)
         error.copy_((M - applied).view(n, -1))                                # e_i = M_i - P_hat Q^T
         entry["q"] = Q                                                        # warm start
-        record.add("allreduce", "value", spec.name, rows * self.rank, "float32")
-        record.add("allreduce", "value", spec.name, cols * self.rank, "float32")
+        record.add("allreduce", "value", spec.name, rows * self.rank, dtype_name(error.dtype))
+        record.add("allreduce", "value", spec.name, cols * self.rank, dtype_name(error.dtype))
         return applied.reshape(-1).to(G.dtype)
 
     def describe(self):

@@ -63,14 +63,26 @@ class _SharedIndices(Scheme):
     """Schemes whose workers all use the same indices ``I``: the values add up in an allreduce."""
 
     beta = 1.0
+    nonfinite_skips = 0  # compressed tensor-steps whose memory update a non-finite mean skipped
 
     def filtered_update(self, spec, G, indices):
-        """Steps 3-5 of Algorithm 1 for all workers: memory filter in place, update ``scatter(I, mean v)``."""
+        """Steps 3-5 of Algorithm 1 for all workers: update ``scatter(I, mean v)``, memory filter in
+        place. As in the Horovod compressor, a worker whose gradient is not finite sends NaN, and a
+        non-finite mean (that, or an overflow, e.g. of fp16 values) leaves every worker's memory as
+        it was (counted in ``nonfinite_skips``)."""
         n, numel = G.shape
         M = self.memory(spec, G)
-        values = clt_k.take_and_filter_memory_(M.view(-1), G, flat_indices(indices, n, numel),
-                                                self.beta, sent_dtype=self.sent_dtype(G))
-        return clt_k.scatter_dense(mean_over_workers(values.view(n, -1)), indices, numel, G.dtype)
+        flat = flat_indices(indices, n, numel)
+        memory_at, values = clt_k.take(M.view(-1), G, flat)
+        sent = values.to(self.sent_dtype(G)).view(n, -1)
+        if not clt_k.all_finite(G):
+            sent = sent.masked_fill(~torch.isfinite(G).all(dim=1, keepdim=True), float("nan"))
+        reduced = mean_over_workers(sent)
+        if clt_k.all_finite(reduced):
+            clt_k.filter_memory_(M.view(-1), G, flat, memory_at, values, sent.view(-1), self.beta)
+        else:
+            self.nonfinite_skips += 1
+        return clt_k.scatter_dense(reduced, indices, numel, G.dtype)
 
 
 class ScaleCom(_SharedIndices):

@@ -98,6 +98,8 @@ class ScaleCom(tf.Module, Compressor):
         index_exchange: ``"broadcast"`` (default) or ``"allreduce"``: how the leader's indices travel.
         pipelined: use indices the leader selected one step earlier, so that their exchange overlaps
             the values' allreduce (see ``ScaleComConfig``); off by default: exact ScaleCom.
+        op: the op the tape or optimizer reduces with, ``hvd.Average`` (default) or ``hvd.Sum``:
+            ScaleCom reduces warm-up steps densely itself, with this op.
 
     Create it eagerly (outside ``tf.function``), before the first step. ``tf.train.Checkpoint``
     tracks the residue memories and step counters (``compression=scalecom``).
@@ -110,7 +112,7 @@ class ScaleCom(tf.Module, Compressor):
 
     def __init__(self, variables, ratio=0.01, beta=0.1, warmup_steps=0, min_numel=1024, *,
                  leader="cyclic", selection="threshold", value_dtype=None, index_dtype=tf.int32,
-                 process_set=None, index_exchange="broadcast", pipelined=False):
+                 process_set=None, index_exchange="broadcast", pipelined=False, op=hvd.Average):
         config = ScaleComConfig(
             ratio=ratio, beta=beta, warmup_steps=warmup_steps, min_numel=min_numel, leader=leader,
             selection=selection,
@@ -124,6 +126,9 @@ class ScaleCom(tf.Module, Compressor):
                             f"got {type(process_set).__name__}")
         if index_exchange not in INDEX_EXCHANGES:
             raise ValueError(f"index_exchange must be one of {INDEX_EXCHANGES}, got {index_exchange!r}")
+        if isinstance(op, bool) or op not in (hvd.Average, hvd.Sum):
+            raise ValueError(f"op must be hvd.Average or hvd.Sum (the op the tape or optimizer reduces "
+                             f"with), got {op!r}")
         specs = _variable_specs(variables)
         if not tf.executing_eagerly():
             raise RuntimeError("create ScaleCom eagerly, outside tf.function: its state lives in "
@@ -131,6 +136,7 @@ class ScaleCom(tf.Module, Compressor):
         super().__init__(name="scalecom")
         self.config = config
         self.index_exchange = index_exchange
+        self.op = op
         self._process_set = process_set
         self._value_dtype = None if config.value_dtype is None else tf.as_dtype(config.value_dtype)
         self._prefix = f"scalecom{next(_instances)}"  # Horovod op names, the same on every rank
@@ -165,7 +171,7 @@ class ScaleCom(tf.Module, Compressor):
 
     def __repr__(self):
         return (f"ScaleCom({len(self._slots)} variables, {self.config}, "
-                f"index_exchange={self.index_exchange!r})")
+                f"index_exchange={self.index_exchange!r}, op={'Sum' if self.op == hvd.Sum else 'Average'})")
 
     # -- Horovod's compression interface ----------------------------------------------------------
 
@@ -252,7 +258,7 @@ class ScaleCom(tf.Module, Compressor):
             memory_at_indices, exact = clt_k.take(slot.memory, tensor, indices)  # m_i[I], p_i[I]
             # A non-finite gradient anywhere on this rank makes every value it sends NaN, so that all
             # ranks see a non-finite reduction and skip the memory update (in decompress).
-            finite = tf.math.is_finite(tf.reduce_sum(tf.cast(tensor, tf.float32)))
+            finite = tf.reduce_all(tf.math.is_finite(tensor))  # (a sum could overflow: entry by entry)
             values = tf.where(finite, tf.cast(exact, sent_dtype), tf.constant(float("nan"), sent_dtype))
             # The memory is updated once the leader has read p for its selection ahead.
             with tf.control_dependencies(selected):
@@ -267,8 +273,8 @@ class ScaleCom(tf.Module, Compressor):
             return values, (slot, t, indices, None, None, tensor, memory_at_indices, exact)
 
         def warmup():
-            """Dense average by ScaleCom itself; Horovod's allreduce carries k zeros."""
-            dense = hvd.allreduce(tensor, op=hvd.Average, name=f"{self._prefix}_dense_{slot.index}",
+            """Dense reduction (``op``) by ScaleCom itself; Horovod's allreduce carries k zeros."""
+            dense = hvd.allreduce(tensor, op=self.op, name=f"{self._prefix}_dense_{slot.index}",
                                   ignore_name_scope=True, process_set=self._process_set)
             end, dense = _stamp(dense, start)
             self._record(slot, row, end - start, tf.constant(0.0, tf.float64), compressed=False)
@@ -392,7 +398,7 @@ class ScaleCom(tf.Module, Compressor):
         if not hvd.is_initialized():
             return  # compress() called outside a Horovod job (nothing to agree with)
         self._agreed = True
-        summary = {**self.config.as_dict(), "index_exchange": self.index_exchange,
+        summary = {**self.config.as_dict(), "index_exchange": self.index_exchange, "op": int(self.op),
                    "variables": len(self._slots),
                    "variable_digest": agreement.digest([[s.dtype.name, list(s.shape)]
                                                         for s in self._slots])}
@@ -499,7 +505,11 @@ class ScaleCom(tf.Module, Compressor):
                 if not slot.compressible:
                     raise ValueError(f"state has a memory for {name!r}, which has {slot.numel} "
                                      f"entries (< min_numel) and is never compressed")
+                if memory.dtype.kind != "f":
+                    raise TypeError(f"state memory of {name!r} must hold floating-point numbers, "
+                                    f"got dtype {memory.dtype}")
                 check_size(name, "memory", memory, slot.numel, "variable")
+                memory = memory.reshape(-1).astype(slot.memory.dtype.as_numpy_dtype)
             memories[name] = memory
             if "next_indices" in entry:
                 ahead[name] = check_next_indices(name, entry["next_indices"], slot.k, slot.numel,
@@ -511,8 +521,8 @@ class ScaleCom(tf.Module, Compressor):
             slot.timing.assign(tf.zeros_like(slot.timing))
             if slot.memory is not None:
                 memory = memories[name]
-                slot.memory.assign(np.zeros(slot.numel) if memory is None else memory.reshape(-1)
-                                   .astype(slot.memory.dtype.as_numpy_dtype))
+                slot.memory.assign(np.zeros(slot.numel, slot.memory.dtype.as_numpy_dtype) if memory is None
+                                   else memory)
             if slot.ahead_step is not None:
                 step, indices = ahead.get(name, (-1, None))
                 if indices is not None:

@@ -30,6 +30,7 @@ hvd.init(process_sets=[process_set] if process_set else None)
 rank = hvd.rank()
 member = process_set is None or rank in process_set.ranks  # ranks outside the set only wait
 set_kwargs = {"process_set": process_set} if process_set else {}
+OP = hvd.Sum if opts.get("op") == "sum" else hvd.Average  # given to the tape and to ScaleCom
 NAMES = ["hidden.weight", "hidden.bias", "out.weight", "out.bias"]
 HIDDEN = opts.get("hidden", 64)
 SHAPES = [(48, HIDDEN), (HIDDEN,), (HIDDEN, 10), (10,)]  # 3072, 64, 640, 10 entries by default
@@ -45,7 +46,7 @@ def make_compression(variables):
                     leader=opts.get("leader", "cyclic"), selection=opts.get("selection", "exact"),
                     value_dtype=opts.get("value_dtype"), index_dtype=opts.get("index_dtype", "int32"),
                     index_exchange=opts.get("index_exchange", "broadcast"),
-                    pipelined=opts.get("pipelined", False), **set_kwargs)
+                    pipelined=opts.get("pipelined", False), op=OP, **set_kwargs)
 
 
 if mode == "keras":
@@ -76,7 +77,7 @@ else:
     def step(x, y):
         with tf.GradientTape() as tape:
             loss = loss_of(weights, x, y)
-        tape = hvd.DistributedGradientTape(tape, compression=compression, **set_kwargs)
+        tape = hvd.DistributedGradientTape(tape, compression=compression, op=OP, **set_kwargs)
         grads = tape.gradient(loss, weights)
         # "skip_nonfinite": what a loss scaler does, skip the update when a gradient is not finite
         finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads]) \
