@@ -400,6 +400,20 @@ def test_load_state_dict_checks_everything_first(tf_modules):
     assert saved[0] == 3 and list(saved[1]) == list(np.arange(12) * 7)
 
 
+def test_keras_distributed_optimizer_refuses_an_apply_that_skips_the_reduction(tf_modules):
+    """A mixed_float16 policy's LossScaleOptimizer calls the inner optimizer's apply() directly,
+    which would train every rank alone: a clear error instead."""
+    keras = pytest.importorskip("keras")
+    from hvd_scalecom.tensorflow import DistributedOptimizer
+    tf, ScaleCom = tf_modules
+    variable = keras.Variable(np.ones(3, np.float32))
+    inner = DistributedOptimizer(keras.optimizers.SGD(0.1), ScaleCom([variable], min_numel=100))
+    scaled = keras.optimizers.LossScaleOptimizer(inner)
+    with pytest.raises(RuntimeError, match="without Horovod's reduction"):
+        scaled.apply([tf.ones(3)], [variable])
+    np.testing.assert_array_equal(variable.numpy(), np.ones(3))
+
+
 def test_keras_helpers_reject_bad_input(tf_modules):
     keras = pytest.importorskip("keras")
     from hvd_scalecom.tensorflow import make_train_step

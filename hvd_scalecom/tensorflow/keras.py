@@ -125,9 +125,22 @@ def DistributedOptimizer(optimizer, compression=None, *, sparse_as_dense=False,
     def apply_gradients(self, grads_and_vars):
         grads, variables = zip(*grads_and_vars)
         reduced = reduce(list(grads), None, False)
-        return base.apply_gradients(self, zip(reduced, variables))
+        self._hvd_reduced = True  # (while tracing: apply() below is reached from here only)
+        try:
+            return base.apply_gradients(self, zip(reduced, variables))
+        finally:
+            self._hvd_reduced = False
 
-    cls = type(base.__name__, (base,), {"apply_gradients": apply_gradients,
+    def apply(self, grads, trainable_variables=None):
+        if not getattr(self, "_hvd_reduced", False):
+            raise RuntimeError(
+                "DistributedOptimizer.apply() was called without Horovod's reduction, by a wrapper that "
+                "skips apply_gradients() (e.g. the LossScaleOptimizer a mixed_float16 policy puts "
+                "around it in compile()): each rank would train alone. Use a float32 policy, or "
+                "make_train_step / hvd.DistributedGradientTape with your own loss scaling")
+        return base.apply(self, grads, trainable_variables)
+
+    cls = type(base.__name__, (base,), {"apply_gradients": apply_gradients, "apply": apply,
                                         "__doc__": f"{base.__name__} reducing through Horovod."})
     return cls.from_config(optimizer.get_config())
 
