@@ -416,7 +416,36 @@ def simulator_rows(good):
     ]
 
 
+def fresh_simulator_rows(good):
+    """A simulator that has not stepped yet holds no memory: a saved one must still fit its parameter."""
+    scheme = good["scheme"]
+    first = list(scheme["state"])[0]
+    state = lambda entry: {**scheme, "state": {**scheme["state"], first: entry}}  # noqa: E731
+    return [
+        ({**good, "scheme": state({"memory": torch.zeros(3, 5)})}, ValueError, "shape"),
+        ({**good, "scheme": state({"memory": torch.zeros(2, 1200, 1)})}, ValueError, "shape"),
+        ({**good, "scheme": state({"memory": [0.0]})}, TypeError, "tensor"),
+        ({**good, "scheme": state("entry")}, TypeError, first),
+    ]
+
+
+def fresh_sketched_simulator():
+    return simulator(scheme=sim.SketchedSGD(ratio=0.1, min_numel=50))
+
+
+def sketched_simulator_rows(good):
+    extra = lambda **e: {**good, "scheme": {**good["scheme"], "extra": e}}  # noqa: E731
+    numel = 1200 + 60  # the sketched weights
+    return [
+        (extra(u=torch.zeros(2, numel), v=5), ValueError, "u and v"),
+        (extra(u=torch.zeros(2, numel), v=None), ValueError, "u and v"),
+        (extra(u=torch.zeros(2, 7), v=torch.zeros(2, 7)), ValueError, f"(2, {numel})"),
+    ]
+
+
 LOADERS = {"ScaleCom": (trained_scalecom, scalecom_rows),
+           "Simulator, fresh": (simulator, fresh_simulator_rows),
+           "Simulator, SketchedSGD": (fresh_sketched_simulator, sketched_simulator_rows),
            "ScaleCom, pipelined": (trained_pipelined_scalecom, pipelined_scalecom_rows),
            "SketchedSGD": (lambda: torch_sketched(ratio=0.1, min_numel=50), sketched_rows),
            "QsparseLocalSGD": (lambda: torch_qsparse(ratio=0.1), qsparse_rows),

@@ -159,14 +159,20 @@ class Scheme:
         if set(saved["state"]) != set(self.state):
             raise ValueError(f"state names {sorted(saved['state'])} differ from the parameters "
                              f"{sorted(self.state)}")
+        numels = {spec.name: spec.numel for spec in self.specs}
         for name, entry in saved["state"].items():
+            if not isinstance(entry, dict):
+                raise TypeError(f"state of {name!r} must be a dict, got {type(entry).__name__}")
             for key, value in entry.items():
                 mine = self.state[name].get(key)
                 if not isinstance(value, torch.Tensor):
                     raise TypeError(f"state {key} of {name!r} must be a tensor, got {type(value).__name__}")
-                if mine is not None and value.shape != mine.shape:
+                # (a memory not made yet is one row of the parameter's size per worker)
+                shape = mine.shape if mine is not None else \
+                    (self.n, numels[name]) if key in (*self.residue_keys(), "memory", "momentum") else None
+                if shape is not None and value.shape != shape:
                     raise ValueError(f"state {key} of {name!r} has shape {tuple(value.shape)}, "
-                                     f"expected {tuple(mine.shape)}")
+                                     f"expected {tuple(shape)}")
         state = {name: {k: v.detach().clone() for k, v in entry.items()}
                  for name, entry in saved["state"].items()}
         self.load_extra_state(saved.get("extra", {}))  # may raise: before anything else changes

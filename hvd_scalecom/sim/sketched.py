@@ -134,5 +134,13 @@ class SketchedSGD(Scheme):
                 "v": None if self._v is None else self._v.clone()}
 
     def load_extra_state(self, extra):
-        self._u = None if extra["u"] is None else extra["u"].clone()
-        self._v = None if extra["v"] is None else extra["v"].clone()
+        """The momentum ``u`` and error accumulation ``v`` of the sketched coordinates: both None, or
+        two tensors of the same ``(n, sketched entries)`` shape; checked before either is set."""
+        u, v = extra.get("u") if isinstance(extra, dict) else None, extra.get("v") if isinstance(extra, dict) else None
+        if not (u is None and v is None) and not (
+                isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor)
+                and tuple(u.shape) == tuple(v.shape) == (self.n, self.numel)):
+            raise ValueError(f"SketchedSGD state u and v must both be None or tensors of shape ({self.n}, "
+                             f"{self.numel}), got {getattr(u, 'shape', u)!r} and {getattr(v, 'shape', v)!r}")
+        self._u = None if u is None else u.clone()
+        self._v = None if v is None else v.clone()
