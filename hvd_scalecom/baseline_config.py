@@ -61,7 +61,7 @@ class SketchedSGDConfig:
         numel = 1
         for s in shape:
             numel *= int(s)
-        return len(shape) >= 2 and numel >= self.min_numel
+        return len(shape) >= 2 and 0 < numel >= self.min_numel
 
     def num_selected(self, numels):
         """k for sketched tensors of these sizes (at most their total)."""
@@ -122,7 +122,7 @@ class QsparseConfig:
         return k if self.max_k is None else min(k, self.max_k)
 
     def is_compressed(self, numel):
-        return numel >= self.min_numel
+        return numel > 0 and numel >= self.min_numel  # (an empty tensor never is)
 
     def is_sync_step(self, step):
         """Whether optimizer step ``step`` (from 0) ends with a synchronisation."""

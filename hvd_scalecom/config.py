@@ -119,8 +119,9 @@ class ScaleComConfig:
         return min(numel, max(1, math.ceil(self.ratio * numel)))
 
     def is_compressed(self, numel, step):
-        """Whether a tensor of ``numel`` entries is compressed at optimizer step ``step``."""
-        return numel >= self.min_numel and step >= self.warmup_steps
+        """Whether a tensor of ``numel`` entries is compressed at optimizer step ``step`` (an empty
+        one never is)."""
+        return numel > 0 and numel >= self.min_numel and step >= self.warmup_steps
 
     def leader_rank(self, step, size, tensor_index=0):
         """The leader of ``step`` among ``size`` ranks (relative rank in the process set)."""

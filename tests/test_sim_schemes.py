@@ -516,6 +516,19 @@ def test_powersgd_on_float64_gradients_keeps_float64_factors():
     sim.step([[torch.from_numpy(g[name]) for name in NAMES] for g in grads[1]])
 
 
+@pytest.mark.parametrize("make", [lambda: ScaleCom(ratio=0.2, min_numel=0), lambda: LocalTopK(ratio=0.2, min_numel=0),
+                                  lambda: QsparseLocalSGD(lr=0.1, local_steps=1, ratio=0.2, min_numel=0),
+                                  lambda: SketchedSGD(ratio=0.2, min_numel=0)],
+                         ids=["ScaleCom", "LocalTopK", "QsparseLocalSGD", "SketchedSGD"])
+def test_an_empty_parameter_is_reduced_densely_even_with_min_numel_0(make):
+    params = [("w", torch.nn.Parameter(torch.zeros(6, 5))), ("empty", torch.nn.Parameter(torch.zeros(0, 5)))]
+    sim = Simulator(make(), N, params)
+    grads = make_grads(steps=2)
+    for g in grads:
+        result = sim.step([[torch.from_numpy(g[i]["w"]), torch.zeros(0, 5)] for i in range(N)])
+        assert result.update[1].numel() == 0 and np.isfinite(result.update[0].numpy()).all()
+
+
 def test_powersgd_orthogonalise_gives_orthonormal_columns():
     from hvd_scalecom.torch.powersgd import orthogonalise_
 

@@ -103,7 +103,7 @@ class QsparseLocalSGD(Scheme):
                 updates.append(torch.zeros(spec.numel, dtype=G.dtype, device=G.device))
                 continue
             x, shared = entry["local"], entry["shared"]
-            if spec.numel >= self.config.min_numel:
+            if self.config.is_compressed(spec.numel, t):
                 change = self._compress(spec, x - shared, record)
             else:
                 change = x.mean(dim=0) - shared
