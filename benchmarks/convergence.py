@@ -12,8 +12,8 @@ Parts:
    scheme of :data:`benchmarks.convergence_schemes.SCHEMES` x n in (4, 16, 64), seeds 0 and 1, one recipe
    per task shared by every scheme (:data:`RECIPES`); bytes-matched schemes get their knob per
    (task, n) from :func:`benchmarks.convergence_schemes.match_knob`;
-2. the n = 64 digits criterion (ScaleCom within 1 point of dense): a third seed of both, and the
-   sensitivity of both to the recipe (no compression warm-up, smaller batch, learning-rate scaling)
+2. the n = 64 digits criterion (ScaleCom within 1 point of dense): three more seeds of both, ScaleCom
+   with the exact (``torch.topk``) selection on all five, and the sensitivity of both to the recipe (no compression warm-up, smaller batch, learning-rate scaling)
    and of ScaleCom to beta; on the language model, a 4x larger per-worker batch;
 3. dense and ScaleCom on digits under ``horovodrun -np 4`` against the simulator's replay.
 
@@ -51,6 +51,10 @@ SMOKE_RECIPE = Recipe(steps=8, batch=8, lr=0.1, scaling=0.5, warmup=2, compressi
 
 SEEDS = (0, 1)
 CRITERION_SEEDS = (2, 3, 4)  # more seeds of dense and ScaleCom at n = 64 on digits
+# ScaleCom with selection="exact" (torch.topk) at n = 64 on digits, every criterion seed: the same
+# top-k as the default "threshold" selection except which of several entries tied at the k-th
+# magnitude it takes, a measure of how much a run's outcome depends on such details.
+EXACT_SELECTION_SEEDS = SEEDS + CRITERION_SEEDS
 
 # Part 2 at n = 64: (task, variant name, what changes, recipe changes, schemes).
 SENSITIVITY = (
@@ -186,7 +190,7 @@ def main(argv=None):
                 for spec in schemes:
                     plan.append((task, spec, n, seed))
     sensitivity = [] if args.smoke else SENSITIVITY
-    total = len(plan) + (0 if args.smoke else 2 * len(CRITERION_SEEDS)
+    total = len(plan) + (0 if args.smoke else 2 * len(CRITERION_SEEDS) + len(EXACT_SELECTION_SEEDS)
                          + sum(len(s[4]) for s in sensitivity))
     log(f"{total} training runs ({len(plan)} in the main grid), "
         f"{'' if args.no_horovod or args.smoke else '2 horovodrun jobs, '}one thread")
@@ -210,6 +214,10 @@ def main(argv=None):
                 index += 1
                 runner.run(index, total, tasks["digits"], key, 64, recipes["digits"], group="seeds",
                            variant="main", seed=seed)
+        for seed in EXACT_SELECTION_SEEDS:
+            index += 1
+            runner.run(index, total, tasks["digits"], "scalecom_exact", 64, recipes["digits"], group="seeds",
+                       variant="main", seed=seed)
         for name, variant, _, changes, keys in sensitivity:
             recipe = dataclasses.replace(recipes[name], **changes)
             for key in keys:

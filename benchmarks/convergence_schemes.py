@@ -99,6 +99,8 @@ def build(key, recipe, n, knob=None):
         return ScaleCom(ratio=r, beta=1.0, **common)
     if key == "scalecom":
         return ScaleCom(ratio=r, beta=SCALECOM_BETA, **common)
+    if key == "scalecom_exact":  # torch.topk's selection: the same top-k but for ties at the k-th magnitude
+        return ScaleCom(ratio=r, beta=SCALECOM_BETA, selection="exact", **common)
     if key == "scalecom_pipelined":  # indices one step stale (the pipelined mode)
         return ScaleCom(ratio=r, beta=SCALECOM_BETA, pipelined=True, **common)
     if key.startswith("scalecom_beta"):  # scalecom_beta0.3 and the like, for the beta sweep
