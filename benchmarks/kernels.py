@@ -68,6 +68,9 @@ def make_inputs(numel, seed=0):
 
 
 def measure(numel, ratio, rounds, with_exact=True):
+    lib = native.library()
+    if lib is None:
+        raise RuntimeError("benchmarks.kernels measures the C kernels: none could be built (or HVD_SCALECOM_NATIVE=0)")
     k = max(1, math.ceil(ratio * numel))
     g0, m0 = make_inputs(numel)
     g, m = g0.clone(), m0.clone()
@@ -104,6 +107,16 @@ def measure(numel, ratio, rounds, with_exact=True):
         taken = clt_k.take_checking(m, g, indices)
         return clt_k.filter_and_scatter_(m, g, indices, taken.values, taken, taken.values, BETA)
 
+    advancing = clt_k.may_advance(m, g)
+    passes = (m.data_ptr(), g.data_ptr(), received.data_ptr(), marks.bits.data_ptr(), torch.empty(k))
+
+    def non_leader_c_passes():
+        """The non-leader's three C calls with their pointers resolved once: no Python around them."""
+        mp, gp, ip, bits, values = passes
+        lib.hsc_mark(ip, 0, k, numel, bits)
+        lib.hsc_take_advancing(mp, gp, numel, BETA, 1.0 - BETA, bits, values.data_ptr())
+        lib.hsc_scatter_if_finite(mp, gp, numel, bits, values.data_ptr(), k)
+
     def with_torch_operations(run, *args):
         def wrapped():
             with torch_operations():
@@ -114,9 +127,6 @@ def measure(numel, ratio, rounds, with_exact=True):
         with torch_operations():
             return clt_k.select_top_k(p0, k, "threshold")
 
-    lib = native.library()
-    if lib is None:
-        raise RuntimeError("benchmarks.kernels measures the C kernels: none could be built (or HVD_SCALECOM_NATIVE=0)")
     variants = {
         "floor": lambda: m.add_(g, alpha=BETA),
         FUSED: lambda: lib.hsc_fused_pass(m.data_ptr(), g.data_ptr(), numel, BETA),
@@ -124,6 +134,7 @@ def measure(numel, ratio, rounds, with_exact=True):
         "leader, I from the indices": lambda: leader(cut=False),
         "non-leader": non_leader,
         "non-leader, k = 0": lambda: non_leader(received[:0]),
+        **({"non-leader, C passes alone": non_leader_c_passes} if advancing else {}),
         "gradient write alone": lambda: g.zero_(),
         "non-leader, in place": lambda: non_leader(in_place=True),
         "leader, torch operations": with_torch_operations(leader),
@@ -201,7 +212,9 @@ def markdown(rows, command, load, figure=None):
         "buffers trade places (12 + 4 bytes per entry). *Non-leader, in place*, and a non-leader on",
         "smaller tensors: compress reads g (finiteness, `m[I]`, `p[I]`), decompress updates m and writes",
         "the gradient into g in place (4 + 16 bytes). *Non-leader, k = 0*: the non-leader's calls with",
-        "no indices. *Leader, I from the indices*: its decompress marks I from the indices at every",
+        "no indices. *Non-leader, C passes alone*: its three C calls (marking I, the pass of compress,",
+        "the pass of decompress) with their pointers resolved once, no Python around them (on tensors of",
+        "2^19 entries or more). *Leader, I from the indices*: its decompress marks I from the indices at every",
         "size (as the C kernels built without AVX-512 do). *Gradient write alone*: `g.zero_()`, the writing of a dense tensor of the",
         "gradient's size that `decompress` owes Horovod on top of the floor's traffic.",
         "*Torch operations*: the same steps as torch calls, the path taken with",
@@ -211,16 +224,18 @@ def markdown(rows, command, load, figure=None):
         f"Load average of this 2-core machine: {load[0]:.1f} at the start, {load[1]:.1f} at the end.",
         "",
         "| entries | ratio | environment | floor | floor GB/s | leader | leader, I from the indices | non-leader | "
-        "non-leader, k = 0 | gradient write alone | non-leader, in place | leader, torch operations | "
-        "non-leader, torch operations | leader, torch operations, exact top-k | overlap |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "non-leader, k = 0 | non-leader, C passes alone | gradient write alone | non-leader, in place | "
+        "leader, torch operations | non-leader, torch operations | leader, torch operations, exact top-k | "
+        "overlap |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['numel']:,} | {r['ratio']:g} | {r['environment']} | {r['floor_ms']:.2f} ms | "
             f"{r['floor_gbps']:.1f} | {fmt(r, 'leader')} | {fmt(r, 'leader, I from the indices')} | "
             f"{fmt(r, 'non-leader')} | "
-            f"{fmt(r, 'non-leader, k = 0')} | {fmt(r, 'gradient write alone')} | {fmt(r, 'non-leader, in place')} | "
+            f"{fmt(r, 'non-leader, k = 0')} | {fmt(r, 'non-leader, C passes alone')} | "
+            f"{fmt(r, 'gradient write alone')} | {fmt(r, 'non-leader, in place')} | "
             f"{fmt(r, 'leader, torch operations')} | {fmt(r, 'non-leader, torch operations')} | "
             f"{fmt(r, 'leader, torch operations, exact top-k')} | {r['overlap']:.4f} |")
     lines += [
@@ -251,12 +266,12 @@ def markdown(rows, command, load, figure=None):
     lines.append("")
     lines.append("Milliseconds (medians):")
     lines.append("")
-    names = [n for n in rows[0]["ms"]]
+    names = list(dict.fromkeys(n for r in rows for n in r["ms"]))
     lines.append("| entries | ratio | environment | " + " | ".join(names) + " |")
     lines.append("|---:|---:|---|" + "---:|" * len(names))
     for r in rows:
         lines.append(f"| {r['numel']:,} | {r['ratio']:g} | {r['environment']} | "
-                     + " | ".join(f"{r['ms'][n]:.2f}" for n in names) + " |")
+                     + " | ".join(f"{r['ms'][n]:.2f}" if n in r["ms"] else "n/a" for n in names) + " |")
     if figure:
         lines += ["", f"![compress + decompress against the floor]({figure})"]
     return "\n".join(lines) + "\n"
