@@ -53,17 +53,18 @@ def test_torch_state_snapshots_restores_and_resyncs_locally_held_state(monkeypat
     assert isinstance(state._handlers["compression"], ScaleComStateHandler)
     assert state.compression is compression and "compression" not in state._saved_state
 
-    def with_state(step, memory_value, next_indices=None):
+    def with_state(step, memory_value, next_indices=False):
         sd = compression.state_dict()
         for name, entry in sd["params"].items():
             entry["step"] = step
             numel = dict(net.named_parameters())[name].numel()
             entry["memory"] = torch.full((numel,), float(memory_value)) if numel >= 1024 else None
-            if next_indices is not None and numel >= 1024:
-                entry["next_indices"] = (step, torch.tensor(next_indices, dtype=torch.int32))
+            if next_indices and numel >= 1024:  # k indices chosen ahead for the next step
+                k = compression.config.num_selected(numel)
+                entry["next_indices"] = (step, torch.arange(k, dtype=torch.int32) * (numel // k))
         compression.load_state_dict(sd)
 
-    with_state(5, 1.5, next_indices=[0, 3])
+    with_state(5, 1.5, next_indices=True)
     state.save()  # what commit() does before it asks the elastic driver for news
     saved = compression.state_dict()
     with_state(9, -2.0)  # a step that fails part way: restore() goes back to the commit
