@@ -61,7 +61,7 @@ class SketchedSGDConfig:
         numel = 1
         for s in shape:
             numel *= int(s)
-        return len(shape) >= 2 and 0 < numel >= self.min_numel
+        return len(shape) >= 2 and numel > 0 and numel >= self.min_numel
 
     def num_selected(self, numels):
         """k for sketched tensors of these sizes (at most their total)."""

@@ -118,10 +118,13 @@ class ScaleComConfig:
         """k for a tensor of ``numel`` entries: ``max(1, ceil(ratio * numel))``, at most ``numel``."""
         return min(numel, max(1, math.ceil(self.ratio * numel)))
 
+    def compresses(self, numel):
+        """Whether a tensor of ``numel`` entries is ever compressed (an empty one never is)."""
+        return numel > 0 and numel >= self.min_numel
+
     def is_compressed(self, numel, step):
-        """Whether a tensor of ``numel`` entries is compressed at optimizer step ``step`` (an empty
-        one never is)."""
-        return numel > 0 and numel >= self.min_numel and step >= self.warmup_steps
+        """Whether a tensor of ``numel`` entries is compressed at optimizer step ``step``."""
+        return self.compresses(numel) and step >= self.warmup_steps
 
     def leader_rank(self, step, size, tensor_index=0):
         """The leader of ``step`` among ``size`` ranks (relative rank in the process set)."""

@@ -136,7 +136,8 @@ class SketchedSGD(Scheme):
     def load_extra_state(self, extra):
         """The momentum ``u`` and error accumulation ``v`` of the sketched coordinates: both None, or
         two tensors of the same ``(n, sketched entries)`` shape; checked before either is set."""
-        u, v = extra.get("u") if isinstance(extra, dict) else None, extra.get("v") if isinstance(extra, dict) else None
+        extra = extra if isinstance(extra, dict) else {}
+        u, v = extra.get("u"), extra.get("v")
         if not (u is None and v is None) and not (
                 isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor)
                 and tuple(u.shape) == tuple(v.shape) == (self.n, self.numel)):

@@ -68,7 +68,7 @@ class _Slot:
         self.grad_dtype = dtype  # the gradient's dtype, as last traced
         self.numel = math.prod(shape)
         self.k = config.num_selected(self.numel)
-        self.compressible = 0 < self.numel >= config.min_numel
+        self.compressible = config.compresses(self.numel)
         self.memory = None  # residue memory m_i (flat), for compressible variables only
         self.step = None  # steps this variable has been reduced in (t), int64
         self.tally = None  # [dense steps, compressed steps] reduced by this process, int64

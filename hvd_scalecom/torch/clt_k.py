@@ -454,12 +454,12 @@ def filter_and_scatter_(memory, grad, indices, reduced, taken, sent, beta):
     return finite
 
 
-def _check_pairs(indices, reduced, numel):
-    """ValueError unless there is one reduced value per index; IndexError if an index (on the CPU)
-    is outside ``[0, numel)``: raised before anything is written."""
+def _check_pairs(indices, reduced, numel=None):
+    """ValueError unless there is one reduced value per index; IndexError if an index (on the CPU;
+    where ``numel`` is given) is outside ``[0, numel)``: raised before anything is written."""
     if indices.numel() != reduced.numel():
         raise ValueError(f"{reduced.numel()} reduced values for {indices.numel()} indices")
-    if indices.is_cpu and indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= numel):
+    if numel is not None and indices.is_cpu and indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= numel):
         raise IndexError(_out_of_range(indices, numel))
 
 
@@ -542,8 +542,7 @@ def filter_and_scatter_advanced(memory, grad, indices, reduced, taken, sent, bet
     flat = grad if grad.ndim == 1 else grad.view(-1)
     indices = _marked_dtype(indices)
     reduced = _flat(reduced, flat.dtype).contiguous()
-    if reduced.numel() != indices.numel():  # (the C pass reads one value per index)
-        raise ValueError(f"{reduced.numel()} reduced values for {indices.numel()} indices")
+    _check_pairs(indices, reduced)  # (the C pass reads one value per index; _mark checks the range)
     if marks is None:
         marks = _mark(indices, flat.numel())
     if marks.order is not None:

@@ -304,7 +304,7 @@ class ScaleCom(Compressor):
             if "next_indices" in entry:
                 t, indices = check_next_indices(
                     name, entry["next_indices"], self.config.num_selected(numel), numel,
-                    self.config.pipelined and numel >= self.config.min_numel)
+                    self.config.pipelined and self.config.compresses(numel))
                 ahead = (t, torch.as_tensor(indices).to(device=param.device, dtype=self._index_dtype(numel),
                                                         copy=True))
             restored[name] = (memory, scale, ahead)
