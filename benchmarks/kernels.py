@@ -35,7 +35,6 @@ transparent huge pages); ``without AVX-512`` (the C kernels built with ``-mno-av
 
 import argparse
 import json
-import math
 import os
 import shlex
 import subprocess
@@ -45,6 +44,7 @@ import torch
 
 from benchmarks._report import interleaved, replace_section, shown_arguments
 from hvd_scalecom import native
+from hvd_scalecom.config import ScaleComConfig
 from hvd_scalecom.native import torch_operations
 from hvd_scalecom.torch import clt_k
 
@@ -71,7 +71,7 @@ def measure(numel, ratio, rounds, with_exact=True):
     lib = native.library()
     if lib is None:
         raise RuntimeError("benchmarks.kernels measures the C kernels: none could be built (or HVD_SCALECOM_NATIVE=0)")
-    k = max(1, math.ceil(ratio * numel))
+    k = ScaleComConfig(ratio=ratio).num_selected(numel)
     g0, m0 = make_inputs(numel)
     g, m = g0.clone(), m0.clone()
     scratch = torch.empty(numel)

@@ -13,6 +13,8 @@ Terms (Chen et al., "ScaleCom", NeurIPS 2020, Sec. 3):
 """
 
 import dataclasses
+import fractions
+import functools
 import math
 import numbers
 
@@ -58,7 +60,9 @@ def check_real(value, argument, low, high, low_open=False, high_open=False):
 class ScaleComConfig:
     """What every rank must agree on. Arguments are checked in ``__post_init__``.
 
-    ratio: fraction of each tensor's entries sent, ``k = max(1, ceil(ratio * numel))``.
+    ratio: fraction of each tensor's entries sent, ``k = max(1, ceil(ratio * numel))``, the product
+        taken exactly with ratio as the decimal it prints as (0.07 of 100 entries is 7, not the 8
+        that ``0.07 * 100 = 7.000000000000001`` would give).
     beta: low-pass filter weight of the residue memory, in (0, 1].
     warmup_steps: optimizer steps (from 0) reduced densely before compression starts.
     min_numel: tensors with fewer entries are always reduced densely.
@@ -115,8 +119,10 @@ class ScaleComConfig:
         object.__setattr__(self, "min_numel", int(self.min_numel))
 
     def num_selected(self, numel):
-        """k for a tensor of ``numel`` entries: ``max(1, ceil(ratio * numel))``, at most ``numel``."""
-        return min(numel, max(1, math.ceil(self.ratio * numel)))
+        """k for a tensor of ``numel`` entries: ``max(1, ceil(ratio * numel))``, at most ``numel``
+        (exact: see ``ratio``)."""
+        ratio = _decimal(self.ratio)
+        return min(numel, max(1, -(-numel * ratio.numerator // ratio.denominator)))
 
     def compresses(self, numel):
         """Whether a tensor of ``numel`` entries is ever compressed (an empty one never is)."""
@@ -154,3 +160,9 @@ def check_dtype_name(name, argument, allowed):
     if text not in allowed:
         raise ValueError(f"{argument} must be one of {allowed}, got {name!r}")
     return text
+
+
+@functools.lru_cache(maxsize=64)
+def _decimal(ratio):
+    """``ratio`` as the fraction its shortest decimal form names (``repr``): 0.07 is 7/100 exactly."""
+    return fractions.Fraction(repr(ratio))

@@ -1,0 +1,43 @@
+"""k from the ratio: ``max(1, ceil(ratio * numel))`` taken exactly, one rule for every scheme."""
+
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+
+from hvd_scalecom.baseline_config import QsparseConfig, SketchedSGDConfig
+from hvd_scalecom.config import ScaleComConfig
+from hvd_scalecom.sim import ScaleCom as SimScaleCom
+from hvd_scalecom.sim import Simulator
+
+
+def exact_k(ratio_text, numel):
+    """The ceiling of the decimal ``ratio_text`` times ``numel``, in integers."""
+    ratio = Fraction(ratio_text)
+    return min(numel, max(1, -(-numel * ratio.numerator // ratio.denominator)))
+
+
+@pytest.mark.parametrize("ratio_text", ["0.07", "0.14", "0.01", "0.001", "0.3", "1e-05", "0.5", "1.0"])
+def test_k_is_the_ceiling_of_the_decimal_ratio(ratio_text):
+    config = ScaleComConfig(ratio=float(ratio_text))
+    numels = list(range(1, 3001)) + [2 ** 20, 25_000_000, 2 ** 31 + 7]
+    assert [config.num_selected(n) for n in numels] == [exact_k(ratio_text, n) for n in numels]
+
+
+def test_float_products_just_above_an_integer_do_not_round_k_up():
+    assert 0.07 * 100 > 7  # the product in floating point: its ceiling would be 8
+    assert ScaleComConfig(ratio=0.07).num_selected(100) == 7
+    assert ScaleComConfig(ratio=0.14).num_selected(50) == 7
+    assert QsparseConfig(ratio=0.07).num_selected(100) == 7
+    assert QsparseConfig(ratio=0.07, max_k=5).num_selected(100) == 5
+    assert SketchedSGDConfig(ratio=0.07).num_selected([100, 200]) == 7 + 14
+
+
+def test_simulated_scalecom_sends_k_values_of_the_exact_rule():
+    """The simulator's ScaleCom on a 10 x 10 tensor at ratio 0.07 sends 7 values per worker."""
+    params = [("w", torch.nn.Parameter(torch.zeros(10, 10)))]
+    sim = Simulator(SimScaleCom(ratio=0.07, beta=1.0, min_numel=1), 2, params)
+    grads = [[torch.from_numpy(np.random.RandomState(i).randn(10, 10).astype(np.float32))] for i in range(2)]
+    update = sim.step(grads).update[0]
+    assert int(torch.count_nonzero(update)) == 7
