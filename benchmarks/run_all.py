@@ -18,19 +18,23 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# name -> arguments after ``python -m benchmarks.NAME`` (the module's full run), in running order
+# name -> (module, arguments after ``python -m benchmarks.MODULE``): each page's full run, in running order
 BENCHMARKS = {
-    "kernels": [],
-    "sketch_kernels": [],
-    "slow_link": [],
-    "scalecom_options": [],
-    "convergence": [],
-    "soak": [],
+    "kernels": ("kernels", ["--environments", "default", "without AVX-512"]),
+    "sketch_kernels": ("sketch_kernels", []),
+    "slow_link": ("slow_link", []),
+    "scalecom_options": ("scalecom_options", []),
+    "convergence": ("convergence", []),
+    "frontends": ("frontends", ["--dense"]),
+    "tf_index_exchange": ("tf_index_exchange", []),
+    "soak": ("soak", []),
+    "soak_tensorflow": ("soak", ["--framework", "tensorflow"]),
 }
 
 
 def command(name, python=None):
-    return [python or sys.executable, "-m", f"benchmarks.{name}", *BENCHMARKS[name]]
+    module, arguments = BENCHMARKS[name]
+    return [python or sys.executable, "-m", f"benchmarks.{module}", *arguments]
 
 
 def main(argv=None):

@@ -2,28 +2,46 @@
 ``estimate`` of one fp32 vector with the C kernels and with torch operations, side by side in one
 process; writes the "Count sketch" section of docs/performance.md.
 
-    .venv/bin/python -m benchmarks.sketch_kernels                # 8,403,978 entries, 5 x 136,000
+    .venv/bin/python -m benchmarks.sketch_kernels                # 8,398,848 entries, 5 x 25,230
     .venv/bin/python -m benchmarks.sketch_kernels --smoke        # 100,000 entries, two rounds
 
 One thread (as each Horovod worker here). Each round times, in turn, the kernels' sketch and
 estimate, then the torch operations' (``hvd_scalecom.native.torch_operations``), on the same vector
 and table, after one untimed round; the table gives medians over rounds, the ratio taken round by
-round. Both paths' outputs are checked to be the same floats first. The default size is the
-slow-link benchmark's model (``benchmarks/slow_link.py``) with Sketched SGD at ratio 0.0003.
+round. Both paths' outputs are checked to be the same floats first. By default the vector and the
+table are those of the slow-link benchmark's Sketched SGD job (``benchmarks/slow_link.py``: its
+model's sketched matrices, its ratio), computed by :func:`slow_link_sketch`.
 """
 
 import argparse
+import json
 import os
+import shlex
 import statistics
+import sys
 import time
 
 import torch
 
-from benchmarks._report import replace_section
+from benchmarks._report import replace_section, shown_arguments
+from benchmarks._slow_link_worker import make_model
+from benchmarks.slow_link import DEFAULT_JOBS, DEFAULT_WIDTHS
 from hvd_scalecom import native
+from hvd_scalecom.baseline_config import SketchedSGDConfig
 from hvd_scalecom.torch.sketch import CountSketch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def slow_link_sketch():
+    """``(entries, rows, columns)`` of the sketched vector and table of the slow-link benchmark's
+    Sketched SGD job with its default model, as ``hvd_scalecom.torch.SketchedSGD`` sizes them."""
+    job, = (j for j in DEFAULT_JOBS if j.split(":", 1)[0] == "sketched")
+    config = SketchedSGDConfig(**json.loads(job.split(":", 1)[1]))
+    with torch.device("meta"):
+        model = make_model(DEFAULT_WIDTHS)
+    numels = [p.numel() for p in model.parameters() if config.is_sketched(p.shape)]
+    return sum(numels), config.rows, config.num_columns(config.num_selected(numels))
 
 
 def timed(fn):
@@ -81,15 +99,17 @@ def markdown(args, ms, ratio, command, load):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--numel", type=int, default=8_403_978)
-    parser.add_argument("--rows", type=int, default=5)
-    parser.add_argument("--columns", type=int, default=136_000)
+    parser.add_argument("--numel", type=int, default=None, help="default: the slow-link job's")
+    parser.add_argument("--rows", type=int, default=None, help="default: the slow-link job's")
+    parser.add_argument("--columns", type=int, default=None, help="default: the slow-link job's")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--smoke", action="store_true", help="100,000 entries, 2 rounds")
     parser.add_argument("--out", default=os.path.join(ROOT, "docs", "performance.md"))
     args = parser.parse_args(argv)
+    numel, rows, columns = (100_000, 5, 2_000) if args.smoke else slow_link_sketch()
+    args.numel, args.rows, args.columns = args.numel or numel, args.rows or rows, args.columns or columns
     if args.smoke:
-        args.numel, args.columns, args.rounds = 100_000, 2_000, 2
+        args.rounds = 2
     torch.set_num_threads(1)
     if native.library() is None:
         raise SystemExit("the C kernels are unavailable (HVD_SCALECOM_NATIVE=0 or no compiler)")
@@ -99,7 +119,8 @@ def main(argv=None):
     for name, (sketch, estimate, both) in ms.items():
         print(f"{name:18s} sketch {sketch:8.1f} ms  estimate {estimate:8.1f} ms  both {both:8.1f} ms")
     print(f"torch operations / C kernels (sketch + estimate, per round): {ratio:.1f}x")
-    command = "python -m benchmarks.sketch_kernels" + (" --smoke" if args.smoke else "")
+    command = shlex.join(["python", "-m", "benchmarks.sketch_kernels",
+                          *shown_arguments(sys.argv[1:] if argv is None else argv)])
     replace_section(args.out, "sketch", markdown(args, ms, ratio, command, load))
     print(f"wrote {args.out}")
 

@@ -48,6 +48,7 @@ DEFAULT_JOBS = ["dense", "fp16", 'scalecom:{"ratio": 0.01}', 'scalecom:{"ratio":
                 # proportions leave k / 35, as in docs/convergence.md), Qsparse synchronising every
                 # 5 steps (2 synchronisations in the 10 timed steps)
                 'sketched:{"ratio": 0.0003}', 'qsparse:{"local_steps": 5}']
+DEFAULT_WIDTHS = [1024, 2048, 2048, 1024, 10]  # the MLP's layer widths: 8.4M parameters
 SCALECOM_DEFAULTS = {"selection": "threshold"}  # the exact top-k set, found faster
 # Token bucket per rate: the burst must cover a timer tick at that rate (else the rate is not met).
 SHAPES = {"1gbit": ("1mb", "50ms"), "10gbit": ("8mb", "50ms"), "100mbit": ("256kb", "200ms")}
@@ -339,7 +340,7 @@ def main(argv=None):
     args.rates = args.rates or (["1gbit"] if smoke else ["1gbit", "10gbit"])
     args.workers = args.workers or ([2] if smoke else [2, 4])
     args.jobs = args.jobs or (['scalecom:{"ratio": 0.01}'] if smoke else DEFAULT_JOBS)
-    args.widths = args.widths or ([256, 256, 10] if smoke else [1024, 2048, 2048, 1024, 10])
+    args.widths = args.widths or ([256, 256, 10] if smoke else DEFAULT_WIDTHS)
     args.warmup = args.warmup if args.warmup is not None else (1 if smoke else 3)
     args.steps = args.steps if args.steps is not None else (1 if smoke else 10)
     args.calibrate_bytes = (1 if smoke else 64) << 20

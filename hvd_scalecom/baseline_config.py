@@ -87,7 +87,7 @@ class QsparseConfig:
         ``k = min(1000, numel)``, i.e. ``ratio=1.0, max_k=1000``).
     operator: ``"top_k"`` (values as they are), ``"sign_top_k"`` (one scale and k signs) or
         ``"qsgd_top_k"`` (QSGD with ``levels`` levels, scaled to a contraction).
-    levels: s of QSGD (the authors' code: 256); at most 2**31 - 1.
+    levels: s of QSGD (the authors' code: 256); at most 2**24, the integers float32 holds exactly.
     min_numel: tensors with fewer entries are averaged densely at each synchronisation.
     seed: seed of QSGD's stochastic rounding (the same stream on every rank, each rank its own row).
     index_dtype: ``"int32"`` (int64 for tensors of 2**31 entries or more) or ``"int64"``.
@@ -109,8 +109,8 @@ class QsparseConfig:
         object.__setattr__(self, "local_steps", check_int(self.local_steps, "local_steps", 1))
         object.__setattr__(self, "max_k", check_int(self.max_k, "max_k", 1, allow_none=True))
         object.__setattr__(self, "levels", check_int(self.levels, "levels", 1))
-        if self.levels > 2**31 - 1:
-            raise ValueError(f"levels must be < 2**31, got {self.levels}")
+        if self.levels > 2**24:  # xi = floor(s |v| / ||v||) + 0 or 1 is computed in float32
+            raise ValueError(f"levels must be at most 2**24 (QSGD's levels are counted in float32), got {self.levels}")
         object.__setattr__(self, "seed", check_int(self.seed, "seed", 0))
         if self.operator not in QSPARSE_OPERATORS:
             raise ValueError(f"operator must be one of {QSPARSE_OPERATORS}, got {self.operator!r}")

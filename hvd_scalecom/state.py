@@ -38,7 +38,7 @@ def check_size(name, key, value, numel, what="parameter"):
 
 def check_next_indices(name, value, k, numel, selects_ahead):
     """``(step, indices)`` of a pipelined ScaleCom state entry, ``indices`` as a NumPy array of ``k``
-    integers in ``[0, numel)``; ValueError naming ``name`` otherwise, or where the tensor is never
+    distinct integers in ``[0, numel)``; ValueError naming ``name`` otherwise, or where the tensor is never
     selected ahead (not ``selects_ahead``: ``pipelined=False`` or fewer than ``min_numel`` entries)."""
     if not selects_ahead:
         raise ValueError(f"state has next_indices for {name!r}, which this ScaleCom never selects ahead "
@@ -48,6 +48,7 @@ def check_next_indices(name, value, k, numel, selects_ahead):
     step, indices = value[0], np.asarray(value[1])
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
         raise ValueError(f"state next_indices of {name!r}: step must be an int >= 0, got {step!r}")
-    if indices.shape != (k,) or indices.dtype.kind not in "iu" or not np.all((indices >= 0) & (indices < numel)):
-        raise ValueError(f"state next_indices of {name!r} must be {k} integers in [0, {numel})")
+    if (indices.shape != (k,) or indices.dtype.kind not in "iu" or not np.all((indices >= 0) & (indices < numel))
+            or np.unique(indices).size != k):
+        raise ValueError(f"state next_indices of {name!r} must be {k} distinct integers in [0, {numel})")
     return int(step), indices

@@ -130,7 +130,7 @@ ROWS = [
     (torch_qsparse, "max_k", 0, ValueError, "max_k"),
     (torch_qsparse, "operator", "top_k_sign", ValueError, "operator"),
     (torch_qsparse, "levels", 0, ValueError, "levels"),
-    (torch_qsparse, "levels", 2**31, ValueError, "levels"),
+    (torch_qsparse, "levels", 2**24 + 1, ValueError, "levels"),
     (torch_qsparse, "min_numel", -1, ValueError, "min_numel"),
     (torch_qsparse, "seed", "0", TypeError, "seed"),
     (torch_qsparse, "index_dtype", "float32", ValueError, "index_dtype"),
@@ -360,9 +360,10 @@ def pipelined_scalecom_rows(good):
         (with_broken(good, "1.weight", next_indices=(4,)), ValueError, "(step, indices)"),
         (with_broken(good, "1.weight", next_indices=(-1, ahead)), ValueError, "step"),
         (with_broken(good, "1.weight", next_indices=(True, ahead)), ValueError, "step"),
-        (with_broken(good, "1.weight", next_indices=(4, ahead[:5])), ValueError, "6 integers in [0, 60)"),
-        (with_broken(good, "1.weight", next_indices=(4, ahead + 60)), ValueError, "6 integers in [0, 60)"),
-        (with_broken(good, "1.weight", next_indices=(4, ahead.float())), ValueError, "6 integers"),
+        (with_broken(good, "1.weight", next_indices=(4, ahead[:5])), ValueError, "6 distinct integers in [0, 60)"),
+        (with_broken(good, "1.weight", next_indices=(4, ahead + 60)), ValueError, "6 distinct integers in [0, 60)"),
+        (with_broken(good, "1.weight", next_indices=(4, ahead[:1].repeat(6))), ValueError, "6 distinct integers"),
+        (with_broken(good, "1.weight", next_indices=(4, ahead.float())), ValueError, "6 distinct integers"),
         (with_broken(good, "1.bias", next_indices=(4, ahead[:1])), ValueError, "never selects ahead"),
     ]
 

@@ -419,7 +419,7 @@ def test_processes_building_at_once_into_an_empty_cache_all_load_one_library(tmp
     env = {**os.environ, "HVD_SCALECOM_CACHE": str(tmp_path)}
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env) for _ in range(3)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
-    built = sorted(path.name for path in tmp_path.iterdir())
+    built = sorted(path.name for path in (tmp_path / "native").iterdir())  # $HVD_SCALECOM_CACHE/native
     assert len(built) == 1 and built[0].startswith("scalecom_kernels_") and built[0].endswith(".so")
 
 

@@ -322,6 +322,21 @@ def test_sketched_sgd():
         np.mean(np.linalg.norm(v, axis=1)), rel=1e-5)
 
 
+def test_sketched_sgd_keeps_float64_gradients_in_float64():
+    """As on Horovod (``SketchedSGD`` keeps u and v in ``memory_dtype``): float64 sums, 8-byte sketch."""
+    grads = [[{name: g[name].astype(np.float64) for name in NAMES} for g in step] for step in make_grads()]
+    params = {name: np.zeros(shape, np.float64) for name, shape in SHAPES.items()}
+    scheme = SketchedSGD(ratio=0.1, rows=3, columns=16, candidates=2, momentum=0.9, min_numel=MIN_NUMEL,
+                         seed=4)
+    sim, results = simulate(scheme, grads, params=params)
+    applied, v = sketched_reference(grads, 3, 2, 3, 16, 0.9, seed=4)
+    assert sim.scheme._v.dtype == torch.float64
+    assert_updates(results, applied, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(sim.scheme._v.numpy(), v, rtol=1e-12, atol=1e-12)
+    sent = {c.tensor: c.nbytes for c in results[-1].traffic.collectives}
+    assert (sent["sketch"], sent["candidates"]) == (3 * 16 * 8, 2 * 3 * 8)
+
+
 def test_count_sketch_is_linear_and_finds_heavy_hitters():
     cs = CountSketch(5000, rows=5, columns=200, seed=1)
     a, b = torch.randn(5000, dtype=torch.float64), torch.randn(5000, dtype=torch.float64)

@@ -101,6 +101,32 @@ def test_state_of_another_scheme_is_refused():
         other.load_state_dict(a.state_dict())
 
 
+@pytest.mark.parametrize("scheme, change, text", [
+    (lambda: QsparseLocalSGD(lr=0.1, local_steps=1, ratio=0.1), lambda e: e.pop("local"), "lacks local"),
+    (lambda: PowerSGD(rank=2, min_numel=0), lambda e: e.update(q=torch.randn(3, 3)), r"q .*shape \(3, 3\)"),
+    (lambda: ScaleCom(ratio=0.1, min_numel=0), lambda e: e.update(stray=torch.zeros(1)), "stray"),
+    (lambda: ScaleCom(ratio=0.1, min_numel=0, pipelined=True),
+     lambda e: e.update(ahead=torch.zeros_like(e["ahead"])), "distinct"),
+    (lambda: ScaleCom(ratio=0.1, min_numel=0, pipelined=True),
+     lambda e: e.update(ahead=e["ahead"] + 1000), "distinct integers in"),
+])
+def test_incomplete_or_misshaped_state_is_refused_before_anything_changes(scheme, change, text):
+    """A state a step would fail on (a key missing, a wrong shape, indices that repeat or overflow,
+    a key the scheme never keeps) is refused by load_state_dict, the simulator left as it was."""
+    model = mlp([6, 16, 3])
+    sim = Simulator(scheme(), 4, model.named_parameters())
+    sim.step_stacked(stacked_grads(model, 4, 0))
+    saved = sim.state_dict()
+    change(saved["scheme"]["state"]["0.weight"])
+    before = sim.state_dict()
+    with pytest.raises(ValueError, match=text):
+        sim.load_state_dict(saved)
+    after = sim.state_dict()
+    assert all(torch.equal(before["scheme"]["state"][n][k], v)
+               for n, entry in after["scheme"]["state"].items() for k, v in entry.items())
+    sim.step_stacked(stacked_grads(model, 4, 1))  # and it still steps
+
+
 def test_per_worker_gradients_match_one_backward_per_worker():
     model = mlp([6, 16, 3])
     n = 5

@@ -312,6 +312,7 @@ def test_bad_arguments_name_the_argument(tf_modules):
         (dict(selection="approx"), ValueError, "selection"), (dict(op=2), ValueError, "op"),
         (dict(op=True), ValueError, "op"),
         (dict(value_dtype=tf.int8), ValueError, "value_dtype"),
+        (dict(value_dtype=tf.bfloat16), ValueError, "value_dtype"),  # (no Horovod TF kernel for it)
         (dict(index_dtype=tf.float32), ValueError, "index_dtype"),
         (dict(process_set=0), TypeError, "process_set"),
         (dict(index_exchange="gather"), ValueError, "index_exchange"),
@@ -341,6 +342,8 @@ def test_gradients_that_do_not_match_the_variables(tf_modules):
                                               tf.constant([40, 30])))
     with pytest.raises(TypeError, match="floating-point"):
         compression.compress(tf.zeros([40, 30], tf.int32))
+    with pytest.raises(ValueError, match="variable #0"):  # the refused gradients took no variable's place
+        compression.compress(tf.zeros([5]))
     with pytest.raises(ValueError, match="built for 2 variables, got 1"):
         compression.check_variables([tf.Variable(tf.zeros([40, 30]))])
 
@@ -387,7 +390,7 @@ def test_load_state_dict_checks_everything_first(tf_modules):
     state = pipelined.state_dict()
     assert "next_indices" not in state["params"]["w"]  # nothing chosen ahead yet
     for indices, step in [(np.arange(11), 3), (np.arange(12) + 1190, 3), (np.arange(12.0), 3),
-                          (np.arange(12), -2)]:
+                          (np.arange(12), -2), (np.zeros(12, np.int64), 3)]:  # (repeated: scatter_nd would add)
         with pytest.raises(ValueError, match="next_indices of 'w'"):
             pipelined.load_state_dict({**state, "params": {
                 "w": {"step": 3, "memory": good_memory, "next_indices": (step, indices)},
@@ -442,6 +445,29 @@ def test_keras_helpers_reject_bad_input(tf_modules):
             LogStats(other, every=every)
     wrapped = DistributedOptimizer(keras.optimizers.SGD(0.25, momentum=0.5))
     assert isinstance(wrapped, keras.optimizers.SGD) and wrapped.get_config()["momentum"] == 0.5
+
+
+def test_keras_helpers_reduce_as_scalecom_expects(tf_modules):
+    """Sparse gradients would bypass ScaleCom (and shift the others onto the wrong variables); an op
+    or process set other than ScaleCom's would make warm-up and compressed steps disagree."""
+    keras = pytest.importorskip("keras")
+    import horovod.tensorflow as hvd
+    from hvd_scalecom.tensorflow import DistributedOptimizer, make_train_step
+    tf, ScaleCom = tf_modules
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(2)])
+    averaging = ScaleCom(model.trainable_variables, min_numel=4)
+    summing = ScaleCom(model.trainable_variables, min_numel=4, op=hvd.Sum)
+    another_set = type("OtherSet", (), {"process_set_id": 7})()
+    for compression, options, word in [(averaging, dict(sparse_as_dense=False), "sparse_as_dense=True"),
+                                       (averaging, dict(op=hvd.Sum), "op"), (summing, {}, "op"),
+                                       (averaging, dict(process_set=another_set), "process_set")]:
+        with pytest.raises(ValueError, match=word):
+            make_train_step(model, keras.optimizers.SGD(0.1), "mse", compression, **options)
+    with pytest.raises(ValueError, match="sparse_as_dense=True"):
+        DistributedOptimizer(keras.optimizers.SGD(0.1), averaging, sparse_as_dense=False)
+    with pytest.raises(ValueError, match="process_set"):
+        DistributedOptimizer(keras.optimizers.SGD(0.1), averaging, process_set=another_set)
+    DistributedOptimizer(keras.optimizers.SGD(0.1), summing)  # reduces with ScaleCom's op
 
 
 # -- ranks configured differently: one clear error on every rank, in one job per size -------------

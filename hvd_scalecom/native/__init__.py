@@ -3,13 +3,14 @@
 
 The sources ship with the package and are compiled at first use with the system C compiler
 (``$CC``, else ``cc``/``gcc``; ``-O3 -march=native``, then any of ``$HVD_SCALECOM_CFLAGS``, e.g.
-``-mno-avx512f`` to build the loops of CPUs without AVX-512) into one library in ``$HVD_SCALECOM_CACHE``
-(default ``~/.cache/hvd_scalecom/native``), keyed by the sources, the flags, the compiler and the CPU's
-features, so that processes starting together or nodes sharing a home directory never load a
-library built for another CPU. :func:`library` returns None (and warns once) where no compiler
+``-mno-avx512f`` to build the loops of CPUs without AVX-512) into one library in
+``$HVD_SCALECOM_CACHE/native`` (default ``~/.cache/hvd_scalecom/native``; the installer keeps
+Horovod's wheels in ``$HVD_SCALECOM_CACHE`` too), keyed by the sources, the flags, the compiler and
+the CPU's features, so that processes starting together or nodes sharing a home directory never load
+a library built for another CPU. :func:`library` returns None (and warns once) where no compiler
 works, or where ``HVD_SCALECOM_NATIVE=0`` (read once, at the first call): the callers then use
-torch operations, which compute the same values; :func:`torch_operations` does the same for a block of
-code.
+torch operations, which compute the same values (up to which entries tied at the k-th magnitude a
+leader takes); :func:`torch_operations` does the same for a block of code.
 """
 
 import contextlib
@@ -88,8 +89,8 @@ def _build():
             sources.append(f.read())
     key = hashlib.sha256(b"\0".join([*sources, " ".join(flags).encode(), os.path.realpath(compiler).encode(),
                                      _cpu_features().encode()])).hexdigest()[:20]
-    cache = os.environ.get("HVD_SCALECOM_CACHE",
-                           os.path.join(os.path.expanduser("~"), ".cache", "hvd_scalecom", "native"))
+    cache = os.path.join(os.environ.get("HVD_SCALECOM_CACHE",
+                                        os.path.join(os.path.expanduser("~"), ".cache", "hvd_scalecom")), "native")
     target = os.path.join(cache, f"scalecom_kernels_{key}.so")
     if os.path.exists(target):
         return target

@@ -159,24 +159,41 @@ class Scheme:
         if set(saved["state"]) != set(self.state):
             raise ValueError(f"state names {sorted(saved['state'])} differ from the parameters "
                              f"{sorted(self.state)}")
-        numels = {spec.name: spec.numel for spec in self.specs}
-        for name, entry in saved["state"].items():
+        for spec in self.specs:
+            entry = saved["state"][spec.name]
             if not isinstance(entry, dict):
-                raise TypeError(f"state of {name!r} must be a dict, got {type(entry).__name__}")
+                raise TypeError(f"state of {spec.name!r} must be a dict, got {type(entry).__name__}")
+            shapes = self.state_shapes(spec)
+            missing = sorted(set(self.state[spec.name]) - set(entry) - set(self.made_later()))
+            if missing:
+                raise ValueError(f"state of {spec.name!r} lacks {', '.join(missing)}")
             for key, value in entry.items():
-                mine = self.state[name].get(key)
+                if key not in shapes:
+                    raise ValueError(f"state of {spec.name!r} has {key!r}, which {self.name} does not keep "
+                                     f"(it keeps {', '.join(sorted(shapes))})")
                 if not isinstance(value, torch.Tensor):
-                    raise TypeError(f"state {key} of {name!r} must be a tensor, got {type(value).__name__}")
-                # (a memory not made yet is one row of the parameter's size per worker)
-                shape = mine.shape if mine is not None else \
-                    (self.n, numels[name]) if key in (*self.residue_keys(), "memory", "momentum") else None
-                if shape is not None and value.shape != shape:
-                    raise ValueError(f"state {key} of {name!r} has shape {tuple(value.shape)}, "
-                                     f"expected {tuple(shape)}")
+                    raise TypeError(f"state {key} of {spec.name!r} must be a tensor, got {type(value).__name__}")
+                if value.shape != shapes[key]:
+                    raise ValueError(f"state {key} of {spec.name!r} has shape {tuple(value.shape)}, "
+                                     f"expected {tuple(shapes[key])}")
+                self.check_state(spec, key, value)
         state = {name: {k: v.detach().clone() for k, v in entry.items()}
                  for name, entry in saved["state"].items()}
         self.load_extra_state(saved.get("extra", {}))  # may raise: before anything else changes
         self.state = state
+
+    def state_shapes(self, spec):
+        """``{key: shape}`` of every state tensor this scheme may keep for ``spec``: by default its
+        memories (one row of the parameter's size per worker)."""
+        return {key: (self.n, spec.numel) for key in (*self.residue_keys(), "memory", "momentum")}
+
+    def check_state(self, spec, key, value):
+        """ValueError if ``value`` (of the right shape) cannot be state ``key`` of ``spec``."""
+
+    def made_later(self):
+        """State keys made during steps (absent from a state saved before them); the others are made
+        by :meth:`bind` and every saved state holds them."""
+        return (*self.residue_keys(), "memory", "momentum")
 
     def extra_state(self):
         return {}

@@ -35,6 +35,15 @@ class PowerSGD(Scheme):
     def residue_keys(self):
         return ("error",)
 
+    def state_shapes(self, spec):
+        shapes = super().state_shapes(spec)
+        if len(spec.shape) >= 2:
+            shapes["q"] = (as_matrix(spec.shape)[1], self.rank)  # Q, warm-started from step to step
+        return shapes
+
+    def made_later(self):
+        return (*super().made_later(), "q")
+
     def compress(self, spec, G, t, record, diagnostics):
         n = G.shape[0]
         rows, cols = as_matrix(spec.shape)

@@ -69,9 +69,12 @@ class QsparseLocalSGD(Scheme):
     def bind(self, specs, n, params):
         super().bind(specs, n, params)
         for spec, p in zip(self.specs, params):
-            flat = p.detach().reshape(-1).to(clt_k.memory_dtype(p.dtype))
-            self.state[spec.name]["shared"] = flat.clone()                       # x_last
-            self.state[spec.name]["local"] = flat.expand(n, -1).clone()          # x_i
+            flat = p.detach().reshape(-1)
+            self.state[spec.name]["shared"] = flat.to(clt_k.memory_dtype(p.dtype), copy=True)  # x_last
+            self.state[spec.name]["local"] = flat.expand(n, -1).clone()  # x_i: the parameter, in its dtype
+
+    def state_shapes(self, spec):
+        return {**super().state_shapes(spec), "shared": (spec.numel,), "local": (self.n, spec.numel)}
 
     def worker_params(self):
         """Each worker's local model, ``(n, *shape)`` per parameter: where gradients must be taken."""
@@ -104,10 +107,10 @@ class QsparseLocalSGD(Scheme):
                 continue
             x, shared = entry["local"], entry["shared"]
             if self.config.is_compressed(spec.numel, t):
-                change = self._compress(spec, x - shared, record)
+                change = self._compress(spec, x.to(shared.dtype) - shared, record)
             else:
-                change = x.mean(dim=0) - shared
-                record.dense(spec.name, spec.numel, x.dtype)
+                change = x.to(shared.dtype).mean(dim=0) - shared
+                record.dense(spec.name, spec.numel, shared.dtype)
             shared.add_(change)                                                   # x_new
             x.copy_(shared.expand_as(x))
             updates.append(change.to(G.dtype))

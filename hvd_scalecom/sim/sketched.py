@@ -29,6 +29,7 @@ from hvd_scalecom.baseline_config import SketchedSGDConfig
 from hvd_scalecom.config import ScaleComConfig
 from hvd_scalecom.sim.base import Scheme, public
 from hvd_scalecom.sim.traffic import StepRecord
+from hvd_scalecom.torch.clt_k import memory_dtype
 from hvd_scalecom.torch.sketch import CountSketch
 from hvd_scalecom.torch.sketched_steps import (accumulate_, applied_update, heavy_candidates,
                                                select_applied, zero_applied_)
@@ -87,7 +88,7 @@ class SketchedSGD(Scheme):
         if self.sketched:
             G = torch.cat([by_name[s.name] for s in self.sketched], dim=1)
             if self._u is None:
-                self._u = torch.zeros(G.shape, dtype=torch.float32, device=G.device)
+                self._u = torch.zeros(G.shape, dtype=memory_dtype(G.dtype), device=G.device)  # as on Horovod
                 self._v = torch.zeros_like(self._u)
             if t < self.config.warmup_steps:  # dense momentum SGD, nothing accumulated in v
                 self._u.mul_(self.momentum).add_(G)
@@ -121,8 +122,8 @@ class SketchedSGD(Scheme):
             hit[true] = True
             diagnostics["recall"] = float(hit[indices].sum()) / self.k
         zero_applied_(u, v, indices)                                             # u[I] = v[I] = 0
-        record.add("allreduce", "value", "sketch", self.rows * self.c, "float32")
-        record.add("allreduce", "value", "candidates", candidates.numel(), "float32")
+        record.add("allreduce", "value", "sketch", self.rows * self.c, v.dtype)
+        record.add("allreduce", "value", "candidates", candidates.numel(), v.dtype)
         return update
 
     def describe(self):

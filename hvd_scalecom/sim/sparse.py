@@ -24,6 +24,7 @@ import torch
 from hvd_scalecom.config import VALUE_DTYPES, ScaleComConfig, check_dtype_name, check_int
 from hvd_scalecom.sim.base import Scheme, mean_over_workers
 from hvd_scalecom.sim.traffic import dtype_name
+from hvd_scalecom.state import check_next_indices
 from hvd_scalecom.torch import clt_k
 from hvd_scalecom.torch.topk import flat_indices, gtopk_merge, select_top_k_rows, shared_random_indices
 
@@ -106,6 +107,17 @@ class ScaleCom(_SharedIndices):
                                         value_dtype=value_dtype, index_dtype=index_dtype,
                                         pipelined=pipelined))
         self.beta = self.config.beta
+
+    def state_shapes(self, spec):
+        return {**super().state_shapes(spec), "ahead": (self.config.num_selected(spec.numel),)}
+
+    def made_later(self):
+        return (*super().made_later(), "ahead")
+
+    def check_state(self, spec, key, value):
+        if key == "ahead":  # the indices selected a step ahead (pipelined)
+            check_next_indices(spec.name, (0, value.cpu().numpy()), self.config.num_selected(spec.numel),
+                               spec.numel, self.config.pipelined and self.config.compresses(spec.numel))
 
     def compress(self, spec, G, t, record, diagnostics):
         n, numel = G.shape

@@ -4,9 +4,10 @@ Per variable and step (see :mod:`hvd_scalecom.tensorflow.clt_k` for the equation
 
 1. ``compress(g)`` reads the variable's step counter t, forms ``p = m + g`` on the leader
    (``t mod size``, or ``(t + variable index) mod size`` when staggered), selects its top-k indices
-   and hands them to every rank; every rank returns ``p[I]`` (k values) and updates its residue memory.
+   and hands them to every rank; every rank returns ``p[I]`` (k values).
 2. Horovod allreduces those k values with the tape's own op (``Average``), pre/postscale and process set.
-3. ``decompress`` scatters the reduced values into zeros of the gradient's shape.
+3. ``decompress`` scatters the reduced values into zeros of the gradient's shape and updates the
+   residue memory, unless a reduced value is not finite (the memory is then kept as it was).
 
 Horovod calls ``compress`` inside a cached ``tf.function`` (or inside the user's), so Python here
 runs at trace time only. Everything that changes per step is a ``tf.Variable`` created in the
@@ -78,6 +79,10 @@ class _Slot:
         self.ahead_step = None  # pipelined: the step next_indices are for (-1: none), int64
 
 
+# Horovod's TensorFlow allreduce has no bfloat16 kernel: values travel in the gradient's dtype or these.
+TF_VALUE_DTYPES = tuple(d for d in VALUE_DTYPES if d != "bfloat16")
+
+
 class ScaleCom(tf.Module, Compressor):
     """CLT-k with a low-pass-filtered residue memory (Chen et al., NeurIPS 2020, Algorithm 1).
 
@@ -91,8 +96,8 @@ class ScaleCom(tf.Module, Compressor):
         leader: ``"cyclic"`` (``t mod size``) or ``"staggered"`` (``(t + variable index) mod size``).
         selection: ``"threshold"`` (default) or ``"exact"`` top-k: the same indices (see
             ``clt_k.select_top_k``), "threshold" found faster on large tensors.
-        value_dtype: dtype the selected values travel in, e.g. ``tf.float16`` (default: the
-            gradient's dtype).
+        value_dtype: dtype the selected values travel in, ``tf.float16`` or ``tf.float32`` (default:
+            the gradient's dtype; not bfloat16, for which Horovod's TensorFlow allreduce has no kernel).
         index_dtype: ``tf.int32`` (default; int64 for tensors of 2**31 entries or more) or ``tf.int64``.
         process_set: the Horovod process set the tape reduces over (default: all ranks).
         index_exchange: ``"broadcast"`` (default) or ``"allreduce"``: how the leader's indices travel.
@@ -116,7 +121,7 @@ class ScaleCom(tf.Module, Compressor):
         config = ScaleComConfig(
             ratio=ratio, beta=beta, warmup_steps=warmup_steps, min_numel=min_numel, leader=leader,
             selection=selection,
-            value_dtype=check_dtype_name(_dtype_text(value_dtype), "value_dtype", VALUE_DTYPES),
+            value_dtype=check_dtype_name(_dtype_text(value_dtype), "value_dtype", TF_VALUE_DTYPES),
             index_dtype=check_dtype_name(_dtype_text(index_dtype), "index_dtype", INDEX_DTYPES),
             pipelined=pipelined)
         if process_set is None:
@@ -184,9 +189,6 @@ class ScaleCom(tf.Module, Compressor):
         finally:  # a rank whose variables differ learns it with all the others, not alone
             if not self._agreed:
                 self._check_agreement()
-        if not tensor.dtype.is_floating:
-            raise TypeError(f"ScaleCom compresses floating-point gradients; the gradient of "
-                            f"{slot.name!r} is {tensor.dtype.name}")
         slot.grad_dtype = tensor.dtype
         with tf.name_scope(f"{self._prefix}_{slot.index}"):
             if not slot.compressible:
@@ -375,6 +377,9 @@ class ScaleCom(tf.Module, Compressor):
             self._cursor_graph = None if graph is None else weakref.ref(graph)
             self._cursor = 0
         slot = self._slots[self._cursor]
+        if not tensor.dtype.is_floating:  # (before the cursor moves on)
+            raise TypeError(f"ScaleCom compresses floating-point gradients; the gradient of "
+                            f"{slot.name!r} is {tensor.dtype.name}")
         shape = tuple(tensor.shape) if tensor.shape.rank is not None else None
         if shape != slot.shape:
             raise ValueError(

@@ -75,6 +75,9 @@ def make_train_step(model, optimizer, loss, compression=None, *, root_rank=0, ji
         compression = hvd.Compression.none
     elif isinstance(compression, ScaleCom):
         compression.check_variables(model.trainable_variables)
+        tape_options = {"sparse_as_dense": True, **tape_options}
+        _check_reduction(compression, tape_options["sparse_as_dense"], tape_options.get("op", hvd.Average),
+                         tape_options.get("process_set", hvd.global_process_set))
     trainable = list(model.trainable_variables)
     sources = gradient_sources(trainable)
     if not optimizer.built:
@@ -96,7 +99,7 @@ def make_train_step(model, optimizer, loss, compression=None, *, root_rank=0, ji
     return tf.function(step) if jit else step
 
 
-def DistributedOptimizer(optimizer, compression=None, *, sparse_as_dense=False,
+def DistributedOptimizer(optimizer, compression=None, *, sparse_as_dense=None,
                          process_set=hvd.global_process_set):
     """A copy of the Keras 3 ``optimizer`` whose ``apply_gradients`` first reduces the gradients
     through Horovod (the same reduction ``DistributedGradientTape`` runs), for ``model.fit``::
@@ -106,7 +109,9 @@ def DistributedOptimizer(optimizer, compression=None, *, sparse_as_dense=False,
         model.fit(x, y, callbacks=[BroadcastInitialState()])
 
     Gradients must come in the order of the variables ScaleCom was built with (``fit`` passes
-    ``model.trainable_weights``, which is ``model.trainable_variables``). XLA (``jit_compile``) and
+    ``model.trainable_weights``, which is ``model.trainable_variables``). The reduction uses
+    ScaleCom's ``op`` (``hvd.Average`` for other compressions) and ``process_set``, which must be
+    ScaleCom's; ``sparse_as_dense`` defaults to True with ScaleCom (else False). XLA (``jit_compile``) and
     ``steps_per_execution > 1`` are not supported: Horovod's ops have no XLA kernels, and ScaleCom's
     state updates are not meant to run inside a ``tf.while_loop``.
     """
@@ -115,11 +120,17 @@ def DistributedOptimizer(optimizer, compression=None, *, sparse_as_dense=False,
     if optimizer.built:
         raise ValueError("optimizer must not be built yet: wrap it before training")
     _check_compression(compression)
+    scalecom = isinstance(compression, ScaleCom)
+    if sparse_as_dense is None:
+        sparse_as_dense = scalecom
     if not isinstance(sparse_as_dense, bool):
         raise TypeError(f"sparse_as_dense must be True or False, got {sparse_as_dense!r}")
+    op = compression.op if scalecom else hvd.Average
+    if scalecom:
+        _check_reduction(compression, sparse_as_dense, op, process_set)
     reduce = hvd._make_allreduce_grads_fn(  # Horovod's own, as in DistributedGradientTape
         "DistributedOptimizer", "", "", compression or hvd.Compression.none, sparse_as_dense,
-        hvd.Average, 1.0, None, process_set)
+        op, 1.0, None, process_set)
     base = type(optimizer)
 
     def apply_gradients(self, grads_and_vars):
@@ -158,6 +169,25 @@ class BroadcastInitialState(keras.callbacks.Callback):
         if self.model.optimizer is not None and self.model.optimizer.built:
             variables += list(self.model.optimizer.variables)
         hvd.broadcast_variables(gradient_sources(variables), root_rank=self.root_rank)
+
+
+def _check_reduction(scalecom, sparse_as_dense, op, process_set):
+    """ValueError unless Horovod reduces as ``scalecom`` expects: every gradient dense (an
+    ``IndexedSlices`` goes to Horovod's allgather, never through ``compress``, and the gradients after
+    it would be matched to the wrong variables), with ScaleCom's op and over its process set."""
+    if sparse_as_dense is not True:
+        raise ValueError("ScaleCom needs sparse_as_dense=True: a sparse gradient (an embedding's) would "
+                         "bypass it, and the gradients after it would be matched to the wrong variables")
+    if op != scalecom.op:
+        raise ValueError(f"op {op!r} differs from ScaleCom's op {scalecom.op!r}: give ScaleCom the op the "
+                         f"gradients are reduced with (its warm-up steps reduce with it)")
+    if _set_id(process_set) != _set_id(scalecom._process_set):
+        raise ValueError("process_set differs from ScaleCom's process_set: its indices would go to other "
+                         "ranks than the values")
+
+
+def _set_id(process_set):
+    return getattr(process_set, "process_set_id", process_set)
 
 
 def _check_compression(compression):
