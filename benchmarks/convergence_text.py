@@ -53,7 +53,8 @@ def preamble(results, cmd):
         f"{r['min_numel']} entries (biases) always dense; int32 indices, fp32 values. ScaleCom's "
         "leader is cyclic (t mod n).",
         f"* **seeds**: {seeds_text(results)} (seed s: the same initial weights and, at a given n, "
-        "the same batches for every scheme); the tables give the mean over seeds +- half the range, "
+        "the same batches for every scheme); the tables give the mean over the seeds of every "
+        "configuration +- half the range (the further seeds enter only the n = 64 criterion below), "
         "the figures and the diagnostics seed 0.",
         "* **bytes** are the simulator's exact accounting: bytes each worker *sends* per step (ring "
         "allreduce 2 (n-1)/n B, pipelined-chain broadcast (n-1)/n B on average, ring allgather "
@@ -284,7 +285,7 @@ def _criterion_text(crit):
         f"**{'Holds' if crit['holds'] else 'Does not hold'} on the mean over {len(gaps)} seeds.** "
         f"ScaleCom (ratio 0.01, beta 0.1) reaches {crit['scalecom']:.2f}% against dense "
         f"{crit['dense']:.2f}%, a gap of {crit['gap']:+.2f} points; {within} of {len(gaps)} seeds are "
-        f"within 1 point (gaps {', '.join(f'{g:+.2f}' for g in gaps)}). One point is 3.6 of the 360 "
+        f"no more than 1 point below dense (gaps {', '.join(f'{g:+.2f}' for g in gaps)}). One point is 3.6 of the 360 "
         f"test images. Dense ranges over {_spread(crit, 'dense')} across these seeds, ScaleCom over "
         f"{_spread(crit, 'scalecom')}.",
     ]
@@ -371,8 +372,8 @@ def _horovod_text(results):
         "",
         f"* ScaleCom's `horovodrun -np {row['workers']}` job and the simulator's replay agree on every "
         f"epoch's test accuracy and (within the example's 4 printed decimals and 1 %) its loss {agree}"
-        + (f"; at epoch {first} they part ({100 * job['accuracy']:.2f}% against "
-           f"{100 * sim['accuracy']:.2f}%)" if first else "") + ". "
+        + (f"; at epoch {first} they part, and end at {100 * job['accuracy']:.2f}% against "
+           f"{100 * sim['accuracy']:.2f}% after epoch {epochs}" if first else "") + ". "
         + ("Two runs of the same job are not bit-identical either: their printed losses first differ "
            f"at epoch {jobs_loss}, most likely because Horovod fuses tensors into buffers as they become "
            "ready, and an entry's place in a fused buffer decides the order of the ring's sums; "

@@ -27,8 +27,8 @@ BENCHMARKS = {
     "convergence": ("convergence", []),
     "frontends": ("frontends", ["--dense"]),
     "tf_index_exchange": ("tf_index_exchange", []),
-    "soak": ("soak", []),
-    "soak_tensorflow": ("soak", ["--framework", "tensorflow"]),
+    "soak": ("soak", ["--steps", "6000"]),
+    "soak_tensorflow": ("soak", ["--framework", "tensorflow", "--steps", "6000"]),
 }
 
 

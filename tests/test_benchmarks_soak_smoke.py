@@ -101,8 +101,8 @@ def test_run_all_list():
     for command in ("-m benchmarks.kernels --environments default 'without AVX-512'",
                     "-m benchmarks.sketch_kernels", "-m benchmarks.slow_link", "-m benchmarks.scalecom_options",
                     "-m benchmarks.convergence", "-m benchmarks.frontends --dense",
-                    "-m benchmarks.tf_index_exchange", "-m benchmarks.soak",
-                    "-m benchmarks.soak --framework tensorflow"):
+                    "-m benchmarks.tf_index_exchange", "-m benchmarks.soak --steps 6000",
+                    "-m benchmarks.soak --framework tensorflow --steps 6000"):
         assert command in out, command
     only = run_module("benchmarks.run_all", "--list", "--only", "soak", "kernels", timeout=120)
     assert [line.split()[0] for line in only.splitlines() if line.strip()] == ["kernels", "soak"]

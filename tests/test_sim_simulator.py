@@ -127,6 +127,19 @@ def test_incomplete_or_misshaped_state_is_refused_before_anything_changes(scheme
     sim.step_stacked(stacked_grads(model, 4, 1))  # and it still steps
 
 
+def test_per_worker_gradients_refuse_batch_norm_in_training_mode():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
+    sim = Simulator(Dense(), 2, model.named_parameters())
+    x, y = torch.randn(2, 5, 6), torch.randint(0, 3, (2, 5))
+    with pytest.raises(ValueError, match="model.eval"):
+        per_worker_gradients(model, torch.nn.functional.cross_entropy, sim.worker_params(), x, y)
+    model.eval()
+    grads = per_worker_gradients(model, torch.nn.functional.cross_entropy, sim.worker_params(), x, y)
+    assert [g.shape[0] for g in grads] == [2] * len(grads)
+    assert torch.equal(model[1].running_mean, torch.zeros(8))  # the statistics are read, not updated
+
+
 def test_per_worker_gradients_match_one_backward_per_worker():
     model = mlp([6, 16, 3])
     n = 5

@@ -245,6 +245,36 @@ def test_huge_finite_gradients_are_sent_not_taken_for_non_finite(tmp_path):
     assert json.loads(line[len("VALUES "):]) == pytest.approx([60.0, 3e38, 3e38, 3e38], rel=1e-6)
 
 
+def test_a_gradient_that_bypasses_compress_is_an_error_at_the_next_step():
+    """Horovod sends an IndexedSlices gradient to its allgather without calling compress; the
+    gradients after it would be matched to the wrong variables. With two variables of one shape
+    (so no shape check can notice), the first step goes through and the second raises."""
+    import subprocess
+    import sys
+
+    code = ("import tensorflow as tf, horovod.tensorflow as hvd\n"
+            "from hvd_scalecom.tensorflow import ScaleCom\n"
+            "hvd.init()\n"
+            "embedding, w = tf.Variable(tf.ones([16, 100])), tf.Variable(tf.ones([16, 100]))\n"
+            "compression = ScaleCom([embedding, w], ratio=0.01, min_numel=10)\n"
+            "@tf.function\n"
+            "def step():  # as DistributedGradientTape.gradient reduces: one allreduce per gradient\n"
+            "    sparse = tf.IndexedSlices(tf.ones([1, 100]), tf.constant([0]), tf.constant([16, 100]))\n"
+            "    return (hvd.allreduce(sparse, compression=compression),\n"
+            "            hvd.allreduce(tf.fill([16, 100], 2.0), compression=compression))\n"
+            "step()\n"
+            "print('STEPS', [int(s.numpy()) for s in compression.steps])\n"
+            "try:\n"
+            "    step()\n"
+            "except tf.errors.InvalidArgumentError as e:\n"
+            "    print('REFUSED', 'did not reach compress' in e.message and 'sparse_as_dense=True' in e.message)\n"
+            "print('STEPS', [int(s.numpy()) for s in compression.steps])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith(("STEPS", "REFUSED"))]
+    assert lines == ["STEPS [1, 0]", "REFUSED True", "STEPS [1, 0]"]
+
+
 def test_staggered_leader_fp16_values_threshold_selection_process_set(horovod_job):
     """3 ranks, training on the process set {0, 2} (broadcast roots are global ranks), a hidden
     layer of 67,200 entries (so "threshold" runs its sampled path)."""

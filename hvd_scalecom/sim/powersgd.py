@@ -5,7 +5,8 @@ Per matrix-shaped gradient (viewed as ``shape[0] x prod(shape[1:])``), with erro
 ``Q <- mean_i M_i^T P_hat`` (allreduce 2); every worker applies ``P_hat Q^T``; ``e_i <- M_i - P_hat Q^T``.
 ``Q`` is kept for the next step (warm start); it starts i.i.d. standard normal from a shared seed.
 Vectors (biases), tensors below ``min_numel`` and matrices where rank r would not compress
-(``(rows + cols) r >= rows cols``) are allreduced densely, as in PyTorch's PowerSGD hook.
+(``(rows + cols) r >= rows cols``) are allreduced densely. (PyTorch's PowerSGD hook asks more by
+default: its ``min_compression_rate=2`` wants ``(rows + cols) r`` at most half of ``rows cols``.)
 """
 
 import torch

@@ -98,7 +98,7 @@ class QsparseLocalSGD(Scheme):
                 x.sub_(b, alpha=self.lr)
             else:
                 x.sub_(G, alpha=self.lr)
-        synced = (t + 1) % self.local_steps == 0
+        synced = self.settings.is_sync_step(t)
         updates = []
         for spec, G in zip(self.specs, grads):
             entry = self.state[spec.name]
@@ -106,7 +106,7 @@ class QsparseLocalSGD(Scheme):
                 updates.append(torch.zeros(spec.numel, dtype=G.dtype, device=G.device))
                 continue
             x, shared = entry["local"], entry["shared"]
-            if self.config.is_compressed(spec.numel, t):
+            if self.settings.is_compressed(spec.numel):
                 change = self._compress(spec, x.to(shared.dtype) - shared, record)
             else:
                 change = x.to(shared.dtype).mean(dim=0) - shared

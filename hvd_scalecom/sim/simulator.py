@@ -66,8 +66,8 @@ class Simulator:
     Example::
 
         sim = Simulator(ScaleCom(ratio=0.01, beta=0.1), 64, model.named_parameters())
-        for batch in shards:                               # one shard per worker and step
-            grads = per_worker_gradients(model, loss_fn, sim.worker_params(), batch)
+        for inputs, targets in shards:                     # (n, batch, ...): worker i's in row i
+            grads = per_worker_gradients(model, loss_fn, sim.worker_params(), inputs, targets)
             result = sim.step_stacked(grads)
             result.apply_to(model.parameters(), optimizer)
             print(result.traffic.sent_bytes(), result.diagnostics["overlap"])

@@ -11,8 +11,13 @@ def per_worker_gradients(model, loss_fn, worker_params, inputs, targets):
         ``model.named_parameters()`` order).
     inputs, targets: ``(n, batch, ...)``, worker i's batch in row i.
     loss_fn: ``loss_fn(model_output, targets) -> scalar``.
-    Buffers (e.g. batch-norm statistics) are the model's own, shared by all workers and not updated.
+    Buffers are the model's own, shared by all workers and read only: a model that updates them in
+    its forward pass (batch norm in training mode) is refused; call ``model.eval()`` first.
     """
+    if model.training and any(isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats
+                              for m in model.modules()):
+        raise ValueError("per_worker_gradients: the model's batch norm layers update their running "
+                         "statistics in training mode, which the workers cannot share; call model.eval()")
     names = [name for name, _ in model.named_parameters()]
     buffers = dict(model.named_buffers())
 

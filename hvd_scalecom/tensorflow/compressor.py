@@ -190,7 +190,8 @@ class ScaleCom(tf.Module, Compressor):
             if not self._agreed:
                 self._check_agreement()
         slot.grad_dtype = tensor.dtype
-        with tf.name_scope(f"{self._prefix}_{slot.index}"):
+        checked = [self._check_every_variable_stepped()] if slot.index == 0 and len(self._slots) > 1 else []
+        with tf.name_scope(f"{self._prefix}_{slot.index}"), tf.control_dependencies(checked):
             if not slot.compressible:
                 slot.step.assign_add(1)
                 slot.tally.assign_add([1, 0])
@@ -368,6 +369,22 @@ class ScaleCom(tf.Module, Compressor):
         slot.timing.scatter_nd_update([[row]], [seconds])
         slot.timing.scatter_nd_add([[TIMING_STEPS]], [seconds])
         slot.tally.assign_add([0, 1] if compressed else [1, 0])
+
+    def _check_every_variable_stepped(self):
+        """At variable #0's gradient, before its step counter moves (the op the rest of its compress
+        waits for; eagerly, it raises at once): InvalidArgumentError unless every
+        other variable's counter is at least variable #0's, i.e. every variable took a gradient in
+        every step before. One that never does means a gradient did not come through ``compress``
+        (Horovod sends a sparse ``IndexedSlices`` to its allgather, and ``None`` nowhere): gradients
+        are matched to variables by position, so those after it went to the wrong variables."""
+        first = self._slots[0].step.read_value()
+        behind = tf.reduce_min(tf.stack([s.step.read_value() for s in self._slots[1:]]))
+        return tf.debugging.assert_greater_equal(
+            behind, first, message=(
+                "ScaleCom: some variable took fewer gradients than variable #0, so a gradient did not "
+                "reach compress (a sparse IndexedSlices gradient: pass sparse_as_dense=True to "
+                "hvd.DistributedGradientTape; or a None gradient) and the gradients after it were "
+                "matched to the wrong variables"))
 
     def _slot_of(self, tensor):
         """The variable whose gradient ``tensor`` is: the next one in the current traced graph."""

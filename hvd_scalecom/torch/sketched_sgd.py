@@ -206,8 +206,9 @@ class SketchedSGD(Compressor):
         """Payload bytes and compute time of ``step`` on this rank (default: the last complete step).
 
         Keys as ScaleCom's: ``step``, ``index_bytes`` (always 0: candidates are found from the reduced
-        sketch on every rank, no index travels), ``value_bytes`` (sketch ``4 r c`` + candidates
-        ``4 P k`` + a probe per sketched tensor, in the probe's dtype), ``dense_bytes`` (the momentum of
+        sketch on every rank, no index travels), ``value_bytes`` (sketch ``r c`` + candidates
+        ``P k`` entries of the sketched vector's dtype, fp32 or wider, + a probe per sketched tensor, in
+        the probe's dtype), ``dense_bytes`` (the momentum of
         the other tensors, and of all during warm-up), ``sent_bytes``, ``uncompressed_bytes``,
         ``ratio``, ``compress_seconds``, ``index_wait_seconds`` (0), ``tensors``; ``wire_bytes``, what
         this rank sends in the ring allreduces (``2 (n - 1) / n * sent_bytes``); ``total``: all steps.
