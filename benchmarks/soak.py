@@ -13,8 +13,8 @@ memories (:func:`hvd_scalecom.monitor.residue_norm`), its mean loss since the la
 of live Python objects and ``stats()``. Options after the soak's own go to the example's parser.
 
 The soak sets the example's ``--lr`` to 0.0125 (0.05 over 4 workers, :data:`EXAMPLE_ARGS`; a later
-``--lr`` wins): with the example's 0.05 per worker (0.2 at 4 workers) this job diverged after about
-250 steps, and :func:`benchmarks.convergence_horovod.replay` shows the same recipe going to NaN in
+``--lr`` wins): with the example's 0.05 per worker (0.2 at 4 workers) this job diverges within 200
+steps (README), and :func:`benchmarks.convergence_horovod.replay` shows the same recipe going to NaN in
 the simulator around epoch 19, while 0.0125 trains stably for 2,000 steps there. A soak of a
 diverged model says nothing about its residue memories, so the soak also reports whether training
 made progress (every rank's final loss finite and below its first).
