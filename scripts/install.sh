@@ -8,6 +8,7 @@
 #   VENV                 where the virtual environment lives (default: <repo>/.venv)
 #   HVD_SCALECOM_CACHE   where built Horovod wheels are cached (default: ~/.cache/hvd_scalecom)
 #   HVD_SCALECOM_GPU     1 for a CUDA build (tensorflow instead of tensorflow-cpu, NCCL operations)
+#   HVD_SCALECOM_JOBS    parallel jobs of the Horovod build (default: 2)
 #
 # Horovod (HOROVOD_VERSION) does not build as released against torch >= 2.1 and TF >= 2.19; two fixes are
 # applied to the unpacked source distribution at build time (see patch_horovod_source below).
@@ -97,14 +98,16 @@ if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
   tar -xzf "$build/horovod-$HOROVOD_VERSION.tar.gz" -C "$build"
   patch_horovod_source "$build/horovod-$HOROVOD_VERSION"
   export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 \
-         HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="${MAKEFLAGS:--j2}"
+         HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="-j${HVD_SCALECOM_JOBS:-2}"
   [ "$GPU" = 1 ] && export HOROVOD_GPU_OPERATIONS=NCCL
   (cd "$build/horovod-$HOROVOD_VERSION" && \
      PATH="$VENV/bin:$PATH" "$vpy" -m pip wheel -q --no-build-isolation --no-deps --no-cache-dir \
        -w "$build/wheel" . ) > "$build/build.log" 2>&1 \
     || { tail -n 60 "$build/build.log" >&2; die "Horovod build failed (log above)"; }
-  mkdir -p "$wheel_dir"
-  cp "$build"/wheel/horovod-*.whl "$wheel_dir/"
+  # Filled whole or not at all: a copy cut short must not pass for a cached wheel later.
+  rm -rf "$wheel_dir.partial" && mkdir -p "$wheel_dir.partial" "$(dirname "$wheel_dir")"
+  cp "$build"/wheel/horovod-*.whl "$wheel_dir.partial/"
+  rm -rf "$wheel_dir" && mv "$wheel_dir.partial" "$wheel_dir"
   log "cached $(ls "$wheel_dir"/horovod-*.whl)"
 fi
 if ! "$vpy" -c "import importlib.metadata as m, sys; sys.exit(m.version('horovod') != '$HOROVOD_VERSION')" 2>/dev/null \

@@ -18,6 +18,15 @@ def test_dockerfiles_call_the_install_script():
         # No package versions of their own: those live in scripts/versions.env only.
         assert not re.search(r"(torch|tensorflow|horovod|numpy|mpi4py)\S*==", text, re.I), name
     assert "HVD_SCALECOM_GPU=1" in read("docker", "Dockerfile.gpu")
+    assert "download.pytorch.org/whl/cpu" in read("docker", "Dockerfile")  # torch's CPU build
+    ignored = read(".dockerignore").split()
+    assert ".venv" in ignored and ".git" in ignored  # COPY . . takes neither into an image
+
+
+def test_setup_cfg_pins_nothing_the_installer_pins():
+    """Horovod, torch and TensorFlow come from scripts/install.sh only (pip would build an
+    unpatched Horovod)."""
+    assert not re.search(r"^\s*(torch|tensorflow\S*|horovod)\s*[<>=]", read("setup.cfg"), re.M | re.I)
 
 
 def test_versions_pinned_once():

@@ -228,9 +228,6 @@ def test_a_summing_tape_sums_in_warm_up_and_compressed_steps(horovod_job):
 
 def test_huge_finite_gradients_are_sent_not_taken_for_non_finite(tmp_path):
     """The finiteness check goes entry by entry: gradients whose sum overflows fp32 are finite."""
-    import subprocess
-    import sys
-
     code = ("import numpy as np, tensorflow as tf, horovod.tensorflow as hvd\n"
             "from hvd_scalecom.tensorflow import ScaleCom\n"
             "hvd.init()\n"
@@ -239,19 +236,25 @@ def test_huge_finite_gradients_are_sent_not_taken_for_non_finite(tmp_path):
             "grad = tf.constant(np.r_[[3e38, 3e38, 3e38], np.arange(61.0)], tf.float32)\n"
             "values, ctx = compression.compress(grad)\n"
             "import json; print('VALUES', json.dumps(sorted(values.numpy().tolist())))\n")
+    line, = one_rank(code, "VALUES ")
+    assert json.loads(line[len("VALUES "):]) == pytest.approx([60.0, 3e38, 3e38, 3e38], rel=1e-6)
+
+
+def one_rank(code, *prefixes):
+    """Runs ``code`` in a fresh Python (a one-rank Horovod job after its ``hvd.init()``); returns the
+    lines of its output that start with one of ``prefixes``."""
+    import subprocess
+    import sys
+
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    line = [ln for ln in done.stdout.splitlines() if ln.startswith("VALUES ")][-1]
-    assert json.loads(line[len("VALUES "):]) == pytest.approx([60.0, 3e38, 3e38, 3e38], rel=1e-6)
+    return [ln for ln in done.stdout.splitlines() if ln.startswith(prefixes)]
 
 
 def test_a_gradient_that_bypasses_compress_is_an_error_at_the_next_step():
     """Horovod sends an IndexedSlices gradient to its allgather without calling compress; the
     gradients after it would be matched to the wrong variables. With two variables of one shape
     (so no shape check can notice), the first step goes through and the second raises."""
-    import subprocess
-    import sys
-
     code = ("import tensorflow as tf, horovod.tensorflow as hvd\n"
             "from hvd_scalecom.tensorflow import ScaleCom\n"
             "hvd.init()\n"
@@ -269,10 +272,7 @@ def test_a_gradient_that_bypasses_compress_is_an_error_at_the_next_step():
             "except tf.errors.InvalidArgumentError as e:\n"
             "    print('REFUSED', 'did not reach compress' in e.message and 'sparse_as_dense=True' in e.message)\n"
             "print('STEPS', [int(s.numpy()) for s in compression.steps])\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith(("STEPS", "REFUSED"))]
-    assert lines == ["STEPS [1, 0]", "REFUSED True", "STEPS [1, 0]"]
+    assert one_rank(code, "STEPS", "REFUSED") == ["STEPS [1, 0]", "REFUSED True", "STEPS [1, 0]"]
 
 
 def test_staggered_leader_fp16_values_threshold_selection_process_set(horovod_job):
