@@ -22,4 +22,4 @@ def rerun_with_scalar_kernels(test_file, tmp_path, flags="-mno-avx512f"):
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and " failed" not in done.stdout
-    assert len(list((tmp_path / "cache").glob("scalecom_kernels_*.so"))) == 1
+    assert len(list((tmp_path / "cache" / "native").glob("scalecom_kernels_*.so"))) == 1

@@ -368,6 +368,32 @@ def test_mismatched_or_out_of_range_pairs_raise_before_anything_is_written(path)
     assert torch.equal(grad, grad_before) and torch.equal(memory, memory_before)
 
 
+@pytest.mark.parametrize("default", [torch.float64, torch.float16])
+def test_the_kernels_outputs_are_fp32_whatever_the_default_dtype(default):
+    """The buffers the C passes fill are made fp32 (a default fp16 buffer would be overrun, an fp64
+    one read as garbage): under another default dtype every pass gives what it gives under fp32."""
+    numel, k = (1 << 19) + 3, 5000
+    g0, m0 = torch.randn(numel), 0.5 * torch.randn(numel)
+    indices = torch.arange(7, numel, 100, dtype=torch.int32)[:k]
+
+    def run():
+        m, g = m0.clone(), g0.clone()
+        chosen, taken = clt_k.select_and_take(m, g, k, "threshold", index_dtype=torch.int32)
+        checked = clt_k.take_checking(m, g, indices.long())
+        advanced = clt_k.take_advancing_(m, g, indices, 0.1, clt_k.Marks(numel))
+        return chosen, taken.values, checked.values, checked.memory_at, advanced.values, g
+
+    want = run()
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        got = run()
+    finally:
+        torch.set_default_dtype(before)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
 def test_disabled_by_the_environment_variable():
     code = ("import torch; from hvd_scalecom import native; from hvd_scalecom.torch import clt_k; "
             "assert native.library() is None; "

@@ -45,3 +45,43 @@ def test_ranks_that_disagree_all_get_one_clear_error(horovod_job, per_rank, diff
     for rank in range(3):
         section = report.split(f"----- rank {rank} -----", 1)[1].split("-----", 1)[0]
         assert f"ScaleCom is configured differently on different ranks ({differing} differ" in section
+
+
+def one_rank_scalecom(numel, dtype=torch.float32, **kwargs):
+    """A parameter and its ScaleCom in this process, Horovod started with one rank (the leader)."""
+    import horovod.torch as hvd
+    hvd.init()
+    param = torch.nn.Parameter(torch.zeros(numel, dtype=dtype))
+    return param, ScaleCom([("w", param)], ratio=0.01, min_numel=16, **kwargs)
+
+
+def test_a_parameter_that_changed_size_is_refused_before_anything_changes():
+    """Its memory no longer fits the gradient (the C passes would read past one of them)."""
+    param, compression = one_rank_scalecom(4096)
+    param.grad = torch.randn(4096)
+    values, ctx = compression.compress(param.grad)
+    compression.decompress(values, ctx)
+    before = compression.state_dict()["params"]["w"]
+    param.data = torch.zeros(8192)
+    param.grad = torch.randn(8192)
+    with pytest.raises(ValueError, match="'w' has 8192 entries, its residue memory 4096"):
+        compression.compress(param.grad)
+    after = compression.state_dict()["params"]["w"]
+    assert after["step"] == before["step"] == 1 and torch.equal(after["memory"], before["memory"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # the C passes, torch operations
+def test_gradients_that_require_grad_leave_no_graph_in_the_memory(dtype):
+    """backward(create_graph=True) gives gradients that require grad: the residue memory must not
+    chain one step's graph to the next (it would grow without bound)."""
+    param, compression = one_rank_scalecom(4096, dtype)
+    x = torch.randn(4096, dtype=dtype)
+    for _ in range(3):
+        param.grad = None
+        (param * param * x + param * x).sum().backward(create_graph=True)
+        assert param.grad.requires_grad
+        values, ctx = compression.compress(param.grad)
+        out = compression.decompress(values, ctx)
+        memory = compression._slots[0].memory
+        assert memory.grad_fn is None and not memory.requires_grad and out.grad_fn is None
+    assert compression.state_dict()["params"]["w"]["step"] == 3

@@ -67,6 +67,12 @@ def library():
     return _library
 
 
+def loaded():
+    """The kernels if an earlier :func:`library` call loaded them, even where they are disabled now:
+    for a step that a C pass began (the second pass of a pair must not switch paths midway)."""
+    return _library
+
+
 def _cpu_features():
     try:
         with open("/proc/cpuinfo") as f:

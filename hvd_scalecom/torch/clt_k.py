@@ -66,7 +66,8 @@ def select_top_k(p, k, selection="exact"):
     If fewer than k entries reach ``t`` (or ``t`` is 0, e.g. mostly zeros), it falls back to
     ``"exact"``, so the result is always an exact top-k. Ratios above 1/16 and small tensors (below
     65,536 entries with torch operations, 1,024 in C) use ``"exact"`` directly. NaN entries are
-    never selected by ``"threshold"`` (``torch.topk`` ranks them first). On contiguous fp32 CPU
+    never selected by ``"threshold"``'s own pass (``torch.topk``, in ``"exact"`` and in the
+    fallback, ranks them first). On contiguous fp32 CPU
     tensors steps 2-3 are one read-only pass in C that collects the candidates in index order (the
     k returned ascending; ties at the k-th magnitude go to the lowest indices).
     """
@@ -165,7 +166,7 @@ def _native_select_of_sum(memory, grad, k, selection, index_dtype=torch.int64):
     grad = _flat(grad)
     numel = memory.numel()
     if (selection == "threshold" and k < numel <= config.INT32_INDEX_MAX_NUMEL  # (int32 candidates)
-            and _thresholded(numel, k, True) and _native_applies(memory, grad)):
+            and _thresholded(numel, k, True) and grad.numel() == numel and _native_applies(memory, grad)):
         return _native_select(memory, grad, k, index_dtype)
     return None
 
@@ -270,8 +271,8 @@ class _SelectBuffers:
         if cap > self.cap or sample_size > self.scratch.numel():
             self.cap = max(cap, self.cap)
             self.indices = torch.empty(self.cap + 16, dtype=torch.int32)  # + one vector of slack
-            self.p = torch.empty(self.cap + 16)
-            self.scratch = torch.empty(max(self.cap, sample_size))
+            self.p = torch.empty(self.cap + 16, dtype=torch.float32)  # (the kernels write fp32,
+            self.scratch = torch.empty(max(self.cap, sample_size), dtype=torch.float32)  # whatever the default)
             self.arguments = (self.indices.data_ptr(), self.p.data_ptr(), self.cap, self.scratch.data_ptr())
         return self.arguments
 
@@ -304,7 +305,7 @@ def _native_select(a, b, k, index_dtype=torch.int64):
     size, rank, _, positions, cap = plan
     lib = native.library()
     indices = torch.empty(k, dtype=index_dtype)
-    p_at = torch.empty(k)
+    p_at = torch.empty(k, dtype=torch.float32)
     out = _select_buffers.out
     while True:
         candidates = _select_buffers.ensure(cap, size)
@@ -400,9 +401,10 @@ def take_checking(memory, grad, indices, check=True):
     :func:`filter_and_scatter_`). One read-only pass in C on contiguous fp32 CPU tensors."""
     flat = _flat(grad)
     indices = _flat(indices, torch.int64)
-    if _native_applies(memory, flat) and indices.is_cpu and indices.is_contiguous():
+    if (memory.numel() == flat.numel() and _native_applies(memory, flat) and indices.is_cpu
+            and indices.is_contiguous()):
         k = indices.numel()
-        memory_at_indices, values = torch.empty(k), torch.empty(k)
+        memory_at_indices, values = torch.empty(k, dtype=torch.float32), torch.empty(k, dtype=torch.float32)
         status = native.library().hsc_take(memory.data_ptr(), flat.data_ptr(), flat.numel(), indices.data_ptr(),
                                            k, memory_at_indices.data_ptr(), values.data_ptr(), int(check))
         if status < 0:
@@ -433,10 +435,12 @@ def filter_and_scatter_(memory, grad, indices, reduced, taken, sent, beta):
     and writes m and g once (``m[I]`` is read there from ``memory`` itself), with I as a bitmap (see
     :class:`Marks`), or on the leader as ``taken.cut`` while ``grad`` is unchanged (its version
     counter): then no index is read. RuntimeError if the cut no longer gives k entries (``grad``
-    changed in a way its version counter missed, e.g. through ``.data``)."""
+    changed in a way its version counter missed, e.g. through ``.data``): the pass has then written
+    the memory and ``grad`` over the entries it found, and the step cannot be taken again."""
     flat = grad if grad.ndim == 1 else grad.view(-1)  # written to: a view, never a copy
     reduced = _flat(reduced, flat.dtype)
-    if _native_applies(memory, flat, reduced) and indices.is_cpu and indices.numel() == reduced.numel():
+    if (memory.numel() == flat.numel() and _native_applies(memory, flat, reduced) and indices.is_cpu
+            and indices.numel() == reduced.numel()):
         if taken.cut is not None and grad._version == taken.cut.grad_version:
             updated = _native_filter_and_scatter_cut_(memory, flat, reduced, taken.cut, beta)
         else:
@@ -502,11 +506,11 @@ _ADVANCE_MIN_NUMEL = 1 << 19
 
 def may_advance(memory, grad):
     """Whether :func:`take_advancing_` applies to this memory and gradient: both contiguous fp32 CPU
-    tensors of at least ``_ADVANCE_MIN_NUMEL`` entries, ``grad`` the whole of its storage (it will
-    become the memory's), and the C kernels available."""
+    tensors of the same size, at least ``_ADVANCE_MIN_NUMEL`` entries, ``grad`` the whole of its
+    storage (it will become the memory's) and not requiring grad, and the C kernels available."""
     return (grad.numel() >= _ADVANCE_MIN_NUMEL and grad.storage_offset() == 0
             and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
-            and not grad.requires_grad and _native_applies(memory, grad))
+            and not grad.requires_grad and memory.numel() == grad.numel() and _native_applies(memory, grad))
 
 
 def take_advancing_(memory, grad, indices, beta, marks=None):
@@ -523,7 +527,7 @@ def take_advancing_(memory, grad, indices, beta, marks=None):
     marks = _mark(indices, flat.numel(), marks)
     if marks is None:
         return None
-    values = torch.empty(indices.numel())
+    values = torch.empty(indices.numel(), dtype=torch.float32)
     finite = native.library().hsc_take_advancing(memory.data_ptr(), flat.data_ptr(), flat.numel(),
                                                  beta, 1.0 - beta,
                                                  marks.bits.data_ptr(), values.data_ptr())
@@ -547,8 +551,8 @@ def filter_and_scatter_advanced(memory, grad, indices, reduced, taken, sent, bet
         marks = _mark(indices, flat.numel())
     if marks.order is not None:
         reduced = reduced[marks.order]
-    updated = bool(native.library().hsc_scatter_if_finite(memory.data_ptr(), flat.data_ptr(), flat.numel(),
-                                                          marks.bits.data_ptr(), reduced.data_ptr(), reduced.numel()))
+    updated = bool(native.loaded().hsc_scatter_if_finite(  # (take_advancing_ used the C kernels)
+        memory.data_ptr(), flat.data_ptr(), flat.numel(), marks.bits.data_ptr(), reduced.data_ptr(), reduced.numel()))
     if not updated:
         return flat, memory, False
     new_memory = flat.detach()  # a tensor of its own on grad's storage, whatever becomes of grad
@@ -594,7 +598,7 @@ def _mark(indices, numel, marks=None):
         marks = _scratch_marks(numel)
     elif marks.numel != numel:
         raise ValueError(f"marks are for {marks.numel} entries, the tensor has {numel}")
-    lib = native.library()
+    lib = native.loaded()  # (only reached where the C kernels took the step's first pass)
     marks.order = None
     wide = int(indices.dtype is torch.int64)
     status = lib.hsc_mark(indices.data_ptr(), wide, indices.numel(), numel, marks.bits.data_ptr())

@@ -9,14 +9,15 @@ Per parameter and step (see :mod:`hvd_scalecom.torch.clt_k` for the equations):
    process set.
 3. ``decompress`` updates the residue memory (from ``m`` and ``g``, unchanged since ``compress``, and
    the ``p[I]`` taken there) and then writes the reduced values, over zeros, into the gradient's own
-   storage (nothing of the tensor's size is allocated on the way; the leader's ``p`` lives in one
-   reused scratch buffer).
+   storage (for a contiguous gradient nothing of the tensor's size is allocated on the way; the
+   leader's ``p`` lives in one reused scratch buffer; a non-contiguous one is copied).
 
 On contiguous fp32 CPU tensors (where the C kernels of :mod:`hvd_scalecom.native` can be built) each
 side is one pass: ``compress`` reads ``m`` and ``g`` once (the leader selects as it reads; every rank
 takes ``p[I]`` and checks finiteness), and ``decompress`` updates ``m`` and writes the
-reduced values over zeros into ``g`` in one pass over both (on gradients of 2**22 entries or more
-the leader finds I again there from its selection's threshold instead of reading the indices). On
+reduced values over zeros into ``g`` in one pass over both (on gradients of 2**22 entries or more,
+in builds with AVX-512, the leader finds I again there from its selection's threshold instead of
+reading the indices). On
 gradients of 2**19 entries or more that own their storage, a rank that did not select writes the new memory over ``g`` in its
 ``compress`` pass instead (``m`` is only read), and ``decompress``, if the reduction is finite,
 hands the old memory's buffer back as the gradient (zeros and the reduced values, not read first) and
@@ -165,8 +166,16 @@ class ScaleCom(Compressor):
         if not tensor.dtype.is_floating_point:
             raise TypeError(f"ScaleCom compresses floating-point gradients; the gradient of "
                             f"{slot.name!r} is {tensor.dtype}")
-        t = slot.step
         numel = tensor.numel()
+        if slot.memory is not None and slot.memory.numel() != numel:
+            raise ValueError(f"the gradient of {slot.name!r} has {numel} entries, its residue memory "
+                             f"{slot.memory.numel()}: the parameter changed size after training began "
+                             f"(build a new ScaleCom for the new model)")
+        # No autograd through the compressor (a gradient of backward(create_graph=True) requires grad):
+        # the memory must not chain every step's graph. Writes still land in the gradient's storage.
+        may_advance = not tensor.requires_grad
+        tensor = tensor.detach()
+        t = slot.step
         dense_bytes = numel * tensor.element_size()
         if not self.config.is_compressed(numel, t):
             slot.step += 1
@@ -182,6 +191,15 @@ class ScaleCom(Compressor):
         self._rescale_memory(slot)
         self._post_receives(t, rank, size)
         slot.step += 1
+        try:
+            return self._compress_step(slot, tensor, t, numel, k, size, rank, leader, may_advance, start)
+        except BaseException:
+            slot.step = t  # the step did not happen: a retry (or a restored state) starts it again
+            raise
+
+    def _compress_step(self, slot, tensor, t, numel, k, size, rank, leader, may_advance, start):
+        """Steps 2-3 of ``compress`` for a compressed step ``t``: the indices, then ``p[I]``."""
+        dense_bytes = numel * tensor.element_size()
         wait_from = time.perf_counter()
         sending = None  # the leader's own broadcast, completed in decompress (never waited for here)
         taken = None  # a clt_k.Taken (p_i[I], finite, ...) once taken
@@ -203,7 +221,7 @@ class ScaleCom(Compressor):
         if self.config.pipelined and self.config.is_compressed(numel, t + 1):
             self._select_ahead(slot, tensor, t + 1, rank, size)
         advanced = False  # the gradient's buffer now holds the memory to adopt if the step is finite
-        if taken is None and clt_k.may_advance(slot.memory, tensor):
+        if taken is None and may_advance and clt_k.may_advance(slot.memory, tensor):
             if slot.marks is None:
                 slot.marks = clt_k.Marks(numel)  # one bit per entry: 1/32 of the memory's size
             # the indices as received (int32 by default): the bitmap is made from them directly
