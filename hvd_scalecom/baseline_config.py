@@ -14,6 +14,7 @@ import dataclasses
 from hvd_scalecom.config import INDEX_DTYPES, INT32_INDEX_MAX_NUMEL, ScaleComConfig, check_int, check_real
 
 QSPARSE_OPERATORS = ("top_k", "sign_top_k", "qsgd_top_k")
+MAX_SKETCH_COLUMNS = 2**31  # a count sketch's columns stay below it (its hashes: m c < 2**63)
 
 
 def _shared(ratio, warmup_steps, min_numel):
@@ -51,6 +52,8 @@ class SketchedSGDConfig:
         object.__setattr__(self, "min_numel", shared.min_numel)
         object.__setattr__(self, "rows", check_int(self.rows, "rows", 1))
         object.__setattr__(self, "columns", check_int(self.columns, "columns", 1, allow_none=True))
+        if self.columns is not None and self.columns >= MAX_SKETCH_COLUMNS:
+            raise ValueError(f"columns must be below 2**31 (the count sketch's hashes), got {self.columns}")
         object.__setattr__(self, "candidates", check_int(self.candidates, "candidates", 1))
         object.__setattr__(self, "seed", check_int(self.seed, "seed", 0))
         object.__setattr__(self, "momentum", check_real(self.momentum, "momentum", 0.0, 1.0, high_open=True))
@@ -69,7 +72,14 @@ class SketchedSGDConfig:
         return min(sum(numels), sum(shared.num_selected(n) for n in numels))
 
     def num_columns(self, k):
-        return self.columns if self.columns is not None else 10 * k
+        """The sketch's columns: ``columns``, or ``10 k``; ValueError (before any state exists) where
+        ``10 k`` reaches 2**31."""
+        if self.columns is not None:
+            return self.columns
+        if 10 * k >= MAX_SKETCH_COLUMNS:
+            raise ValueError(f"the count sketch would have 10 k = {10 * k} columns, 2**31 or more: lower "
+                             f"ratio or give columns")
+        return 10 * k
 
     def num_candidates(self, k, numel):
         return min(numel, self.candidates * k)

@@ -111,6 +111,7 @@ ROWS = [
     (torch_sketched, "rows", 2.0, TypeError, "rows"),
     (torch_sketched, "columns", 0, ValueError, "columns"),
     (torch_sketched, "columns", "100", TypeError, "columns"),
+    (torch_sketched, "columns", 2**31, ValueError, "columns must be below 2**31"),
     (torch_sketched, "candidates", 0, ValueError, "candidates"),
     (torch_sketched, "momentum", 1.0, ValueError, "momentum"),
     (torch_sketched, "momentum", "0.9", TypeError, "momentum"),

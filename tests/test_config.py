@@ -41,3 +41,12 @@ def test_simulated_scalecom_sends_k_values_of_the_exact_rule():
     grads = [[torch.from_numpy(np.random.RandomState(i).randn(10, 10).astype(np.float32))] for i in range(2)]
     update = sim.step(grads).update[0]
     assert int(torch.count_nonzero(update)) == 7
+
+
+def test_a_count_sketch_of_2_31_columns_or_more_is_refused_by_the_configuration():
+    """Before any state exists (the hashes need fewer columns): given, or 10 k by default."""
+    assert SketchedSGDConfig(ratio=0.5).num_columns(214_748_364) == 2_147_483_640
+    with pytest.raises(ValueError, match="10 k = 2147483650 columns"):
+        SketchedSGDConfig(ratio=0.5).num_columns(214_748_365)
+    with pytest.raises(ValueError, match="columns must be below 2"):
+        SketchedSGDConfig(columns=2**31)

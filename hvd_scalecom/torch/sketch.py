@@ -39,12 +39,13 @@ element ``torch.median`` picks, NaN included (``tests/test_sketch_kernels.py``).
 
 import torch
 
+from hvd_scalecom.baseline_config import MAX_SKETCH_COLUMNS
 from hvd_scalecom.torch import clt_k
 
 PRIME = 2**31 - 1                     # p of the hash family
 LIMB_BITS = 30                        # x = x_0 + 2**30 x_1, both limbs < p
 MAX_NUMEL = 2 ** (2 * LIMB_BITS)      # x_1 < 2**30 keeps a' x_1 < 2**61
-MAX_COLUMNS = 2**31                   # m c < 2**63
+MAX_COLUMNS = MAX_SKETCH_COLUMNS      # m c < 2**63
 CHUNK_CELLS = 1 << 20                 # (row, coordinate) pairs hashed at once
 MIX_MULTIPLIER = 0x7FEB352D           # odd and < 2**31 (from Wellons' lowbias32): m * it < 2**63
 _MASK32 = 2**32 - 1
