@@ -5,14 +5,29 @@ text between its ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` markers and l
 """
 
 import os
+import shlex
 import statistics
+import sys
+import tempfile
 import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 HEADER = """# Performance
 
 Measured on this project's machine (2 shared cores, no GPU); every figure is a median of repeated
 runs taken side by side in one process or job, and each section names the command that made it.
 """
+
+
+def output_path(given, smoke, *default):
+    """Where a benchmark writes: ``given`` if not None; else ``docs/<default...>``, except for a smoke
+    run, which writes into a new temporary directory (a smoke run never replaces a published page)."""
+    if given is not None:
+        return given
+    if smoke:
+        return os.path.join(tempfile.mkdtemp(prefix="hvd_scalecom_smoke-"), *default)
+    return os.path.join(ROOT, "docs", *default)
 
 
 def replace_section(path, name, body):
@@ -59,13 +74,21 @@ def interleaved(variants, rounds, references, prepare=None):
 
 
 def shown_arguments(argv):
-    """The command-line arguments worth printing with a benchmark's results (not where they go)."""
+    """The command-line arguments worth printing with a benchmark's results (not where they go, nor
+    whether earlier runs were reused)."""
     shown, skip = [], False
     for a in argv:
         if skip:
             skip = False
-        elif a in ("--out", "--plot"):
+        elif a in ("--out", "--plot", "--out-dir"):
             skip = True
-        elif not a.startswith(("--out=", "--plot=")):
+        elif a != "--resume" and not a.startswith(("--out=", "--plot=", "--out-dir=")):
             shown.append(a)
     return shown
+
+
+def command_line(module, argv):
+    """``python -m benchmarks.MODULE`` and the :func:`shown_arguments` of ``argv`` (None: the
+    process's), quoted as a shell would need them."""
+    arguments = shown_arguments(sys.argv[1:] if argv is None else argv)
+    return shlex.join(["python", "-m", f"benchmarks.{module}", *arguments])

@@ -32,6 +32,7 @@ import time
 import torch
 
 from benchmarks import convergence_report
+from benchmarks._report import command_line, output_path
 from benchmarks.convergence_schemes import SCHEMES, Recipe, match_knob, scalecom_bytes, train
 from benchmarks.convergence_tasks import TASKS
 
@@ -149,10 +150,11 @@ def main(argv=None):
     ap.add_argument("--report-only", action="store_true", help="rewrite markdown and figures from the JSON")
     ap.add_argument("--resume", action="store_true", help="reuse runs already in the JSON")
     ap.add_argument("--no-horovod", action="store_true", help="skip the horovodrun comparison")
-    ap.add_argument("--out-dir", default=os.path.join(ROOT, "docs"))
+    ap.add_argument("--out-dir", default=None, help="default: docs/ (a temporary directory in --smoke)")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
-    command = "python -m benchmarks.convergence" + (" --smoke" if args.smoke else "")
+    args.out_dir = args.out_dir or os.path.dirname(output_path(None, args.smoke, "convergence.json"))
+    command = command_line("convergence", argv)
     os.makedirs(args.out_dir, exist_ok=True)
     path = os.path.join(args.out_dir, "convergence.json")
     if args.report_only:

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 
+from benchmarks._report import command_line, output_path
 from hvd_scalecom.launch import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,8 +83,9 @@ def main(argv=None):
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     ap.add_argument("--dense", action="store_true", help="also run each example dense")
     ap.add_argument("--report-only", action="store_true", help="rewrite the page from its JSON")
-    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "frontends.md"))
+    ap.add_argument("--out", default=None, help="default: docs/frontends.md (a temporary file in --smoke)")
     args = ap.parse_args(argv)
+    args.out = output_path(args.out, args.smoke, "frontends.md")
     seeds, epochs = args.seeds, None
     schemes = ("scalecom", "dense") if args.dense else ("scalecom",)
     if args.smoke:
@@ -107,8 +109,7 @@ def main(argv=None):
                 print(f"seed {seed} {framework:10s} {compression:8s} accuracy {100 * r['accuracy']:6.2f}%"
                       f"  {r['reduction']:5.1f}x fewer bytes  ({time.perf_counter() - start:.0f} s)",
                       flush=True)
-    command = "python -m benchmarks.frontends" + (" --smoke" if args.smoke else "") + \
-        (" --dense" if args.dense and not args.smoke else "")
+    command = command_line("frontends", argv)
     with open(args.out, "w") as f:
         f.write(markdown(rows, seeds, command))
     with open(json_path, "w") as f:

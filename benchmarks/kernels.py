@@ -42,7 +42,7 @@ import sys
 
 import torch
 
-from benchmarks._report import interleaved, replace_section, shown_arguments
+from benchmarks._report import interleaved, output_path, replace_section, shown_arguments
 from hvd_scalecom import native
 from hvd_scalecom.config import ScaleComConfig
 from hvd_scalecom.native import torch_operations
@@ -109,6 +109,8 @@ def measure(numel, ratio, rounds, with_exact=True):
 
     advancing = clt_k.may_advance(m, g)
     passes = (m.data_ptr(), g.data_ptr(), received.data_ptr(), marks.bits.data_ptr(), torch.empty(k))
+    # (the timed calls below do not check hsc_mark's status: the indices must be marked as they are)
+    assert not advancing or lib.hsc_mark(passes[2], 0, k, numel, passes[3]) == 0, "unmarkable indices"
 
     def non_leader_c_passes():
         """The non-leader's three C calls with their pointers resolved once: no Python around them."""
@@ -312,7 +314,7 @@ def plot_rows(rows, path):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="one small tensor, two rounds")
-    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "performance.md"))
+    ap.add_argument("--out", default=None, help="default: docs/performance.md (a temporary file in --smoke)")
     ap.add_argument("--plot", default=None, help="PNG path (default: docs/kernels.png; none in --smoke)")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--sizes", type=int, nargs="+", default=None)
@@ -320,8 +322,9 @@ def main(argv=None):
     ap.add_argument("--environments", nargs="+", default=["default"], choices=list(ENVIRONMENTS))
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    args.out = output_path(args.out, args.smoke, "performance.md")
     if args.sizes is None:
-        args.sizes = [100_000] if args.smoke else [1_048_576, 25_000_000]
+        args.sizes = [100_000, 1 << 19] if args.smoke else [1_048_576, 25_000_000]  # (2^19: buffers traded)
     if args.rounds is None:
         args.rounds = 2 if args.smoke else 15
     if args.child:

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from benchmarks._report import command_line, output_path
 from hvd_scalecom.launch import run
 from hvd_scalecom.torch import clt_k
 
@@ -127,12 +128,13 @@ def write_markdown(jobs, selection, path, command):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="one epoch and small tensors")
-    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "options.md"))
+    ap.add_argument("--out", default=None, help="default: docs/options.md (a temporary file in --smoke)")
     args = ap.parse_args(argv)
+    args.out = output_path(args.out, args.smoke, "options.md")
     jobs = run_jobs(epochs=1, jobs=SMOKE_JOBS) if args.smoke else run_jobs(epochs=25)
     selection = time_selection([70_000] if args.smoke else [1 << 20, 4_200_000, 25_000_000],
                                repeats=1 if args.smoke else 7)
-    command = "python -m benchmarks.scalecom_options" + (" --smoke" if args.smoke else "")
+    command = command_line("scalecom_options", argv)
     write_markdown(jobs, selection, args.out, command)
     print(f"wrote {args.out}")
 

@@ -16,14 +16,12 @@ model's sketched matrices, its ratio), computed by :func:`slow_link_sketch`.
 import argparse
 import json
 import os
-import shlex
 import statistics
-import sys
 import time
 
 import torch
 
-from benchmarks._report import replace_section, shown_arguments
+from benchmarks._report import command_line, output_path, replace_section
 from benchmarks._slow_link_worker import make_model
 from benchmarks.slow_link import DEFAULT_JOBS, DEFAULT_WIDTHS
 from hvd_scalecom import native
@@ -104,8 +102,9 @@ def main(argv=None):
     parser.add_argument("--columns", type=int, default=None, help="default: the slow-link job's")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--smoke", action="store_true", help="100,000 entries, 2 rounds")
-    parser.add_argument("--out", default=os.path.join(ROOT, "docs", "performance.md"))
+    parser.add_argument("--out", default=None, help="default: docs/performance.md (a temporary file in --smoke)")
     args = parser.parse_args(argv)
+    args.out = output_path(args.out, args.smoke, "performance.md")
     numel, rows, columns = (100_000, 5, 2_000) if args.smoke else slow_link_sketch()
     args.numel, args.rows, args.columns = args.numel or numel, args.rows or rows, args.columns or columns
     if args.smoke:
@@ -119,8 +118,7 @@ def main(argv=None):
     for name, (sketch, estimate, both) in ms.items():
         print(f"{name:18s} sketch {sketch:8.1f} ms  estimate {estimate:8.1f} ms  both {both:8.1f} ms")
     print(f"torch operations / C kernels (sketch + estimate, per round): {ratio:.1f}x")
-    command = shlex.join(["python", "-m", "benchmarks.sketch_kernels",
-                          *shown_arguments(sys.argv[1:] if argv is None else argv)])
+    command = command_line("sketch_kernels", argv)
     replace_section(args.out, "sketch", markdown(args, ms, ratio, command, load))
     print(f"wrote {args.out}")
 

@@ -38,7 +38,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks._report import replace_section, shown_arguments
+from benchmarks._report import output_path, replace_section, shown_arguments
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "benchmarks", "_slow_link_worker.py")
@@ -333,9 +333,10 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=None, help="runs of each job (default 2; 1 in --smoke)")
     ap.add_argument("--timeout", type=float, default=900)
-    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "performance.md"))
+    ap.add_argument("--out", default=None, help="default: docs/performance.md (a temporary file in --smoke)")
     ap.add_argument("--plot", default=None, help="PNG path (default: docs/slow_link.png; none in --smoke)")
     args = ap.parse_args(argv)
+    args.out = output_path(args.out, args.smoke, "performance.md")
     smoke = args.smoke
     args.rates = args.rates or (["1gbit"] if smoke else ["1gbit", "10gbit"])
     args.workers = args.workers or ([2] if smoke else [2, 4])

@@ -19,6 +19,7 @@ import statistics
 import sys
 import tempfile
 
+from benchmarks._report import command_line, output_path
 from hvd_scalecom.launch import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,8 +42,9 @@ def main(argv=None):
     ap.add_argument("--workers", type=int, nargs="+", default=[2, 3])
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "tf_index_exchange.md"))
+    ap.add_argument("--out", default=None, help="default: docs/tf_index_exchange.md (a temporary file in --smoke)")
     args = ap.parse_args(argv)
+    args.out = output_path(args.out, args.smoke, "tf_index_exchange.md")
     if args.smoke:
         args.workers, args.epochs, args.repeats = [2], 1, 1
     rows = []
@@ -59,7 +61,7 @@ def main(argv=None):
         med = {m: statistics.median(times[m]) for m in MODES}
         rows.append({"workers": workers, "median_seconds": med, "seconds": times,
                      "accuracy": {m: results[m]["accuracy"] for m in MODES}})
-    command = "python -m benchmarks.tf_index_exchange" + (" --smoke" if args.smoke else "")
+    command = command_line("tf_index_exchange", argv)
     lines = [
         "# TensorFlow: broadcast under tf.switch_case against an index allreduce",
         "",

@@ -17,6 +17,11 @@ def test_kernels_smoke(tmp_path):
     assert "![compress + decompress against the floor](kernels.png)" in text
     assert (tmp_path / "kernels.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| 100,000 | 0.01 | default |" in text and "| 100,000 | 0.001 | default |" in text
+    # 2^19 entries: the non-leader trades buffers, and its C passes alone are timed
+    lines = text.splitlines()
+    header = next(line for line in lines if "| non-leader, C passes alone |" in line).split("|")
+    row = next(line for line in lines if line.startswith("| 524,288 | 0.01 | default |")).split("|")
+    assert len(row) == len(header) and row[header.index(" non-leader, C passes alone ")].strip().endswith("x)")
     assert "| 1.0000 |" in text  # the threshold selection finds the exact top-k set
 
 
