@@ -18,6 +18,10 @@ def horovodrun_command(args, np=2, controller="gloo", start_timeout=120, python=
     """The argv of ``horovodrun -np N -H localhost:N --gloo|--mpi python ARGS...``."""
     if controller not in ("gloo", "mpi"):
         raise ValueError(f"controller must be 'gloo' or 'mpi', got {controller!r}")
+    if isinstance(args, (str, bytes)):
+        raise TypeError(f"args must be a list of arguments (the script first), got the string {args!r}")
+    if isinstance(np, bool) or not isinstance(np, int) or np < 1:
+        raise ValueError(f"np must be an int >= 1, got {np!r}")
     python = python or sys.executable
     runner = os.path.join(os.path.dirname(python), "horovodrun")
     return [runner, "-np", str(np), "-H", f"localhost:{np}", f"--{controller}",

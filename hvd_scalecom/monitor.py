@@ -31,8 +31,12 @@ def residue_norm(compression):
     if not callable(state):
         raise TypeError(f"compression must have a state_dict() (a ScaleCom), "
                         f"got {type(compression).__name__}")
+    saved = state()
+    if not (isinstance(saved, dict) and isinstance(saved.get("params"), dict)):
+        raise TypeError(f"compression must be a ScaleCom (its state_dict() holds params), "
+                        f"got {type(compression).__name__}")
     total = 0.0
-    for entry in state()["params"].values():
+    for entry in saved["params"].values():
         memory = entry.get("memory")
         if memory is None:
             continue

@@ -16,8 +16,10 @@ def checked_params(state, scheme, config, names, what="parameters"):
     if state["config"] != config:
         raise ValueError(f"state was saved with config {state['config']}, this {scheme} has {config}")
     params, expected = state["params"], set(names)
-    got = set(params) if isinstance(params, dict) else set()
-    if not isinstance(params, dict) or got != expected:
+    if not isinstance(params, dict):
+        raise TypeError(f"state params must be a dict of the {what}' entries, got {type(params).__name__}")
+    got = set(params)
+    if got != expected:
         raise ValueError(f"state does not match the {what}: missing {sorted(expected - got)}, "
                          f"unexpected {sorted(got - expected)}")
     for name, entry in params.items():
@@ -45,7 +47,10 @@ def check_next_indices(name, value, k, numel, selects_ahead):
                          f"(pipelined=False or fewer than min_numel entries)")
     if not (isinstance(value, (tuple, list)) and len(value) == 2):
         raise ValueError(f"state next_indices of {name!r} must be (step, indices)")
-    step, indices = value[0], np.asarray(value[1])
+    indices = value[1]
+    if hasattr(indices, "detach") and hasattr(indices, "cpu"):  # a torch tensor, possibly on a GPU
+        indices = indices.detach().cpu()
+    step, indices = value[0], np.asarray(indices)
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
         raise ValueError(f"state next_indices of {name!r}: step must be an int >= 0, got {step!r}")
     if (indices.shape != (k,) or indices.dtype.kind not in "iu" or not np.all((indices >= 0) & (indices < numel))

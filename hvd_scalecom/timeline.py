@@ -10,6 +10,22 @@ _ITEMSIZE = {"uint8": 1, "int8": 1, "uint16": 2, "int16": 2, "float16": 2, "bflo
              "int32": 4, "float32": 4, "int64": 8, "float64": 8, "bool": 1}
 
 
+def _events(text):
+    """The JSON array of events; a timeline whose job is still running or was killed is not closed,
+    and its last record may be cut short: such a record is dropped."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        pass
+    while text:
+        try:
+            return json.loads(text + "]")
+        except json.JSONDecodeError:  # back to the end of an earlier record, "}" (with a comma after)
+            cut = text.rfind("}", 0, len(text) - 1)
+            text = text[:cut + 1] if cut > 0 else ""
+    return []
+
+
 def read_operations(path):
     """``[{"name", "op", "dtype", "shape", "numel", "nbytes"}]`` in completion order.
 
@@ -17,9 +33,7 @@ def read_operations(path):
     """
     with open(path) as f:
         text = f.read().strip().rstrip(",")
-    if not text.endswith("]"):
-        text += "]"  # a timeline whose job is still running or was killed is not closed
-    events = json.loads(text)
+    events = _events(text)
     names = {e["pid"]: e["args"]["name"] for e in events
              if e.get("name") == "process_name" and "name" in e.get("args", {})}
     ops = []

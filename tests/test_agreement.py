@@ -52,7 +52,7 @@ def test_checked_params_refuses_bad_states():
         ({**good, "params": {"w": {"step": 1}}}, ValueError,
          "the variables: missing \\['b'\\], unexpected \\[\\]"),
         ({**good, "params": {**good["params"], "x": {"step": 1}}}, ValueError, "unexpected \\['x'\\]"),
-        ({**good, "params": [1]}, ValueError, "missing \\['b', 'w'\\]"),
+        ({**good, "params": [1]}, TypeError, "params must be a dict of the variables' entries, got list"),
         ({**good, "params": {"w": {"step": -1}, "b": {"step": 0}}}, ValueError,
          "step of 'w' must be >= 0"),
         ({**good, "params": {"w": {"step": True}, "b": {"step": 0}}}, TypeError, "step of 'w'"),
@@ -69,3 +69,12 @@ def test_check_size_counts_entries_of_arrays_and_lists():
     check_size("w", "memory", [1.0, 2.0], 2)
     with pytest.raises(ValueError, match="state memory of 'w' has 12 entries, the variable 13"):
         check_size("w", "memory", np.zeros((3, 4)), 13, "variable")
+
+
+def test_next_indices_may_be_a_torch_tensor():
+    """As ScaleCom.state_dict() saves them (on the parameter's device; moved to the CPU to check)."""
+    import torch
+
+    from hvd_scalecom.state import check_next_indices
+    step, indices = check_next_indices("w", (3, torch.tensor([4, 1, 7])), 3, 10, True)
+    assert step == 3 and indices.tolist() == [4, 1, 7]

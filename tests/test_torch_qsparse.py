@@ -209,6 +209,18 @@ def test_wire_format_decodes_to_the_operators_bit_for_bit():
     assert torch.equal(decode(*encode(kept, "top_k"), "top_k"), kept)
 
 
+def test_qsgd_levels_stay_at_most_s_near_float_underflow():
+    """There the computed norm can fall below |v| (4.58e-23 > ||[4.58e-23, 9.32e-24]|| in fp32), and
+    a level above s = 127 would wrap around in int8, flipping the sign."""
+    kept = torch.tensor([[4.58e-23, 9.32e-24]])
+    noise = torch.zeros(1, 2)
+    assert float(kept.norm()) < float(kept[0, 0])  # the premise, in float32
+    scale, codes = encode(kept, "qsgd_top_k", 127, noise, "int8")
+    assert codes.tolist() == [[127, 32]]
+    decoded = decode(scale, codes, "qsgd_top_k", 127)
+    assert torch.equal(decoded, qsgd_top_k(kept, 127, noise)) and bool((decoded > 0).all())
+
+
 @pytest.mark.parametrize("operator", ["top_k", "sign_top_k", "qsgd_top_k"])
 def test_one_row_at_a_time_equals_all_workers_at_once(operator):
     """What each Horovod rank computes on its own row equals the simulator's all-rows computation."""
@@ -301,6 +313,10 @@ def test_state_dict_round_trip_and_checks():
         QsparseLocalSGD(optimizer, model.named_parameters(), local_steps=5, ratio=0.1).load_state_dict(state)
     with pytest.raises(ValueError, match="returned by QsparseLocalSGD.state_dict"):
         wrapped.load_state_dict(optimizer.state_dict())
+    short = {**state, "qsparse_local_sgd": {**mine, "generator": torch.zeros(7, dtype=torch.uint8)}}
+    with pytest.raises(ValueError, match="generator"):  # checked before anything changes
+        wrapped.load_state_dict(short)
+    assert wrapped.state_dict()["qsparse_local_sgd"]["step"] == 0
     wrapped.load_state_dict(state)
     restored = wrapped.state_dict()["qsparse_local_sgd"]
     assert restored["step"] == 6

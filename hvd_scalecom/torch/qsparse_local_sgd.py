@@ -203,6 +203,10 @@ class QsparseLocalSGD(torch.optim.Optimizer):
         if not (isinstance(generator, torch.Tensor) and generator.dtype == torch.uint8):
             raise TypeError(f"state generator must be a torch.ByteTensor (Generator.get_state()), "
                             f"got {type(generator).__name__}")
+        try:  # on a generator of its own: nothing of this optimizer changes yet
+            torch.Generator().set_state(generator)
+        except RuntimeError as err:
+            raise ValueError(f"state generator is not a CPU generator's state: {err}") from None
         params = mine.get("params")
         if not isinstance(params, dict):
             raise TypeError(f"state params must be a dict, got {type(params).__name__}")

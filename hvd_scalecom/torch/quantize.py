@@ -31,7 +31,9 @@ def qsgd_levels(values, levels, noise):
     norm = values.norm(dim=-1, keepdim=True)
     scaled = values.abs() / torch.where(norm > 0, norm, torch.ones_like(norm)) * levels
     lower = scaled.floor()
-    return lower + (noise < scaled - lower).to(values.dtype), norm
+    # |v| <= ||v|| in exact arithmetic, so xi <= s; near float underflow the computed norm can fall
+    # below |v|, and a level above s would overflow the narrow integer it is sent as.
+    return (lower + (noise < scaled - lower).to(values.dtype)).clamp_(max=levels), norm
 
 
 def qsgd(values, levels, noise):
