@@ -39,6 +39,10 @@ add_run("np2_second", "qsparse_different_models", "torch_seed_qsparse.py",
         {"operator": "top_k", "local_steps": 2, "ratio": 0.05, "min_numel": 600, "steps": 2,
          "skip_broadcast": True, "model_seed_offset": 1},
         ["test_ranks_starting_from_different_models_all_raise"], fails=True)
+add_run("np2_reload", "qsparse_partial_reload", "torch_seed_qsparse.py",
+        {"operator": "top_k", "local_steps": 2, "ratio": 0.05, "min_numel": 600, "steps": 6,
+         "reload": {"save_at": 1, "load_at": 3, "rank": 1}},
+        ["test_a_state_restored_on_one_rank_alone_is_an_error_on_every_rank"], fails=True)
 
 ONE_RANK_SIGN = {"operator": "sign_top_k", "local_steps": 2, "ratio": 0.05, "min_numel": 0, "steps": 4}
 FLOAT64_TOP_K = {"operator": "top_k", "local_steps": 2, "ratio": 0.05, "min_numel": 600, "steps": 4,
@@ -116,7 +120,8 @@ def test_qsgd_three_ranks_match_the_simulator_and_the_timeline(request, tmp_path
     moved = {}
     for op in read_operations(timeline):
         moved.setdefault(op["name"], []).append((op["shape"], op["dtype"]))
-    assert moved["allgather.qsparse_local_sgd.payload"] == [([3 * (index_bytes + value_bytes)], "uint8")] * 2
+    header = 16  # each rank's step and x_last checksum, before its tensors
+    assert moved["allgather.qsparse_local_sgd.payload"] == [([3 * (header + index_bytes + value_bytes)], "uint8")] * 2
     assert moved["grouped_allreduce.qsparse_local_sgd.dense_1of2"] == [([64], "float32")] * 2
     assert moved["grouped_allreduce.qsparse_local_sgd.dense_2of2"] == [([10], "float32")] * 2
     for r in results:
@@ -189,6 +194,18 @@ def test_ranks_starting_from_different_models_all_raise(request, tmp_path_factor
         assert "QsparseLocalSGD is configured differently on different ranks (shared_digest differ)" \
             in by_rank[rank]
         assert "hvd.broadcast_parameters(model.state_dict(), root_rank=0)" in by_rank[rank]
+
+
+
+def test_a_state_restored_on_one_rank_alone_is_an_error_on_every_rank(request, tmp_path_factory):
+    """Rank 1 alone goes back two steps: at the next synchronisation every rank sees the other's step
+    in the payload's header and raises (no rank waits in a collective the other never posts)."""
+    job = shared_job("np2_reload", request, tmp_path_factory)
+    assert isinstance(job["error"], HorovodRunError)
+    by_rank = rank_sections(str(job["error"]))
+    for rank in (0, 1):
+        assert "QsparseLocalSGD: the ranks synchronise at steps [3, 1]" in by_rank[rank]
+        assert "every rank must restore the same state" in by_rank[rank]
 
 
 # -- in one process: the wire format, the equations against the simulator, bad input, state ------------

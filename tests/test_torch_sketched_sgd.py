@@ -36,7 +36,7 @@ SEQUENCE = ("import json, runpy, sys\n"
             "for script, opts, out_dir in json.loads(sys.argv[1]):\n"
             "    sys.argv = [script, opts, out_dir]\n"
             "    runpy.run_path(script, run_name='__main__')\n")
-JOBS = {"np3": 3, "np2_first": 2, "np2_second": 2, "np1": 1}  # job: ranks; np2_second resumes np2_first's checkpoints
+JOBS = {"np3": 3, "np2_first": 2, "np2_second": 2, "np2_reload": 2, "np1": 1}  # job: ranks; np2_second resumes np2_first's checkpoints
 _RUNS = {job: [] for job in JOBS}
 _DONE = {}
 

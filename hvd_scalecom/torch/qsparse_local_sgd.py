@@ -18,7 +18,11 @@ moments) stays local, as in the paper.
 Collectives and deadlock: all of them are issued from ``step()``, which every rank calls in the same
 sequence, in a fixed order (the configuration check at the first step, then per synchronisation the
 dense allreduce and the payload allgather, both posted before either is waited for), under fixed names.
-Nothing runs in autograd hooks.
+Nothing runs in autograd hooks, and no collective depends on what one rank alone did (such as
+restoring a state): instead each payload starts with a 16-byte header, the rank's step and a checksum
+of its ``x_last`` (the sum of its bit patterns as integers: exact, whatever the order of summation),
+which every rank compares after the allgather, all raising alike on ranks at different steps or from
+different models.
 
 What travels (bytes per rank and synchronisation, counted in :meth:`QsparseLocalSGD.stats`): per
 compressed tensor the k indices (int32, int64 above 2**31 entries) and the values: ``top_k`` 4 bytes
@@ -27,7 +31,7 @@ each, ``sign_top_k`` 1 byte each (int8 sign) + a 4-byte scale, ``qsgd_top_k`` 1,
 with byte-aligned fields; the paper's bit counts (``ceil(log2 numel)``-bit indices, 1-bit signs, what
 the simulator reports) would need bit packing. The authors' code moved the sparse tensor in a dense
 allreduce instead, which saves nothing on the wire. An allgather grows with n: each rank sends
-``(n - 1)`` times its payload in a ring.
+``(n - 1)`` times its payload in a ring. (The 16-byte header above is not counted.)
 """
 
 import time
@@ -191,7 +195,7 @@ class QsparseLocalSGD(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         """Restore :meth:`state_dict`'s output (wrapper and wrapped optimizer); checks the wrapper's part
-        before changing anything. Ranks compare their restored state at the next step."""
+        before changing anything. Ranks compare their steps and models at the next synchronisation."""
         if not isinstance(state_dict, dict) or _STATE_KEY not in state_dict:
             raise ValueError("state_dict must be a dict returned by QsparseLocalSGD.state_dict()")
         mine = state_dict[_STATE_KEY]
@@ -232,7 +236,6 @@ class QsparseLocalSGD(torch.optim.Optimizer):
                         else params[n]["memory"].detach().reshape(1, -1).clone().to(p.device)
                         for n, p in zip(self._names, self._params)]
         self._generator.set_state(mine["generator"])
-        self._agreed = False
 
     # -- internals ---------------------------------------------------------------------------------
 
@@ -280,7 +283,9 @@ class QsparseLocalSGD(torch.optim.Optimizer):
             dense_handle = hvd.grouped_allreduce_async(
                 [self._params[i].detach().reshape(-1).to(self._shared[i].dtype, copy=True) for i in dense],
                 name=DENSE_NAME, op=hvd.Average, **self._ps_kwargs())
-        layout, chunks = [], []
+        # The header: this rank's step and x_last, compared after the allgather (see the module doc).
+        chunks = [torch.tensor([t, _checksum(self._shared)], dtype=torch.int64).view(torch.uint8)]
+        layout = []
         level_dtype = cfg.level_dtype()
         for i in compressed:
             p, shared = self._params[i], self._shared[i]
@@ -299,13 +304,14 @@ class QsparseLocalSGD(torch.optim.Optimizer):
             chunks += [part.reshape(-1).contiguous().view(torch.uint8) for part in parts]
             layout.append((i, k, index_dtype, scale_dtype, code_dtype))
         sizes = {}
-        if chunks:
+        if layout:
             payload = torch.cat(chunks)
             handle = hvd.allgather_async(payload, name=PAYLOAD_NAME, **self._ps_kwargs())
             waited = time.perf_counter()
             gathered = hvd.synchronize(handle).view(n, payload.numel())
             start += time.perf_counter() - waited
-            at = 0
+            headers, at = _take(gathered, 0, 2, torch.int64)
+            _check_same_state(headers)
             for i, k, index_dtype, scale_dtype, code_dtype in layout:
                 indices, at = _take(gathered, at, k, index_dtype)
                 scale = None
@@ -336,6 +342,28 @@ class QsparseLocalSGD(torch.optim.Optimizer):
             else:
                 self.traffic.record(t, dense_bytes=p.numel() * self._shared[i].element_size(),
                                     uncompressed_bytes=baseline, compress_seconds=seconds)
+
+
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _checksum(tensors):
+    """The sum of the tensors' bit patterns as integers, modulo 2**63: equal on ranks holding equal
+    tensors, whatever their threads (integer sums do not depend on the order)."""
+    total = 0
+    for t in tensors:
+        total += int(t.detach().contiguous().view(_BITS[t.element_size()]).sum(dtype=torch.int64))
+    return total % (1 << 63)
+
+
+def _check_same_state(headers):
+    """ValueError, alike on every rank (all see the same gathered ``(step, checksum)`` rows), unless
+    every rank synchronises at the same step from the same ``x_last``."""
+    if not bool((headers == headers[:1]).all()):
+        steps, checksums = headers[:, 0].tolist(), headers[:, 1].tolist()
+        raise ValueError(f"QsparseLocalSGD: the ranks synchronise at steps {steps} from models with "
+                         f"x_last checksums {checksums}: every rank must restore the same state "
+                         f"(load_state_dict on every rank, or on none)")
 
 
 def _itemsize(dtype):

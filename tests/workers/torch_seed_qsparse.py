@@ -6,6 +6,7 @@ argv: JSON options, output directory. Writes ``rank<R>.npz`` with, per step t an
 ``step()``), ``stats/<t>`` (``stats(step=t)`` as JSON), ``final/<name>`` and ``stats`` (``stats()``).
 """
 
+import copy
 import json
 import os
 import sys
@@ -59,6 +60,10 @@ if opts.get("resume_from"):
 record = {}
 first_step = opts.get("first_step", 0)
 for t in range(first_step, first_step + opts.get("steps", 6)):
+    if opts.get("reload") and t == opts["reload"]["save_at"]:
+        earlier = copy.deepcopy(optimizer.state_dict())
+    if opts.get("reload") and t == opts["reload"]["load_at"] and rank == opts["reload"]["rank"]:
+        optimizer.load_state_dict(earlier)  # one rank alone goes back: the next sync must refuse it
     data_gen = torch.Generator().manual_seed(10000 * t + rank)
     x = torch.randn(16, 48, generator=data_gen).to(next(model.parameters()).dtype)
     y = torch.randint(0, 10, (16,), generator=data_gen)
