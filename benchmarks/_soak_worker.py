@@ -1,6 +1,6 @@
 """One Horovod worker of ``benchmarks.soak``: trains the digits MLP of the examples with ScaleCom for
 ``--steps`` steps and every ``--every`` steps records this process's RSS, the residue-memory norm,
-the mean loss since the last record, the number of live Python objects and ``stats()``, one JSON
+the mean loss since the last record, the number of objects Python's garbage collector tracks and ``stats()``, one JSON
 line each in ``OUT_DIR/rank{r}.jsonl`` (after a first line with the rank, size and options).
 
     python benchmarks/_soak_worker.py OUT_DIR --steps 2000 --every 20 [--framework tensorflow] [EXAMPLE ARGS]

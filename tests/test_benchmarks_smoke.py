@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from benchmark_smoke import run_smoke
 
 
@@ -27,4 +29,9 @@ def test_tf_index_exchange_smoke(tmp_path):
     out = tmp_path / "tf_index_exchange.md"
     run_smoke("benchmarks.tf_index_exchange", out, timeout=600)
     row = [line for line in out.read_text().splitlines() if line.startswith("| 2 |")]
-    assert len(row) == 1 and row[0].count("%") == 2
+    assert len(row) == 1
+    cells = [c.strip() for c in row[0].strip("|").split("|")]
+    broadcast, allreduce, ratio = float(cells[1]), float(cells[2]), float(cells[3].rstrip("x"))
+    assert broadcast > 0 and allreduce > 0 and ratio == pytest.approx(allreduce / broadcast, abs=0.006)
+    accuracies = [float(a.rstrip("%")) for a in cells[5].split(", ")]
+    assert len(accuracies) == 2 and min(accuracies) > 10  # both trained (chance: 10%)
