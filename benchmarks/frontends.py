@@ -46,7 +46,7 @@ def summary(values):
     return mean, sd
 
 
-def markdown(rows, seeds, command):
+def markdown(rows, seeds, command, epochs=25):
     by = {}
     for r in rows:
         by.setdefault((r["framework"], r["compression"]), []).append(r)
@@ -54,7 +54,7 @@ def markdown(rows, seeds, command):
         "# ScaleCom on PyTorch and on TensorFlow",
         "",
         f"Made by `{command}`: `horovodrun -np 2` of each example with its defaults (digits MLP, "
-        f"167,178 parameters, 25 epochs, ratio 0.01, beta 0.5), seeds {', '.join(map(str, seeds))}. "
+        f"167,178 parameters, {epochs} epoch{'s' if epochs > 1 else ''}, ratio 0.01, beta 0.5), seeds {', '.join(map(str, seeds))}. "
         "The frameworks draw different initial weights and batch orders from the same seed, so runs "
         "are compared through their spread over seeds, not pair by pair.",
         "",
@@ -95,7 +95,7 @@ def main(argv=None):
         with open(json_path) as f:
             saved = json.load(f)
         with open(args.out, "w") as f:
-            f.write(markdown(saved["rows"], saved["seeds"], saved["command"]))
+            f.write(markdown(saved["rows"], saved["seeds"], saved["command"], saved.get("epochs") or 25))
         print(f"wrote {args.out} from {json_path}")
         return saved["rows"]
     rows = []
@@ -111,9 +111,9 @@ def main(argv=None):
                       flush=True)
     command = command_line("frontends", argv)
     with open(args.out, "w") as f:
-        f.write(markdown(rows, seeds, command))
+        f.write(markdown(rows, seeds, command, epochs or 25))  # (None: the example's default, 25)
     with open(json_path, "w") as f:
-        json.dump({"command": command, "seeds": seeds, "rows": rows}, f, indent=1)
+        json.dump({"command": command, "seeds": seeds, "epochs": epochs or 25, "rows": rows}, f, indent=1)
     print(f"wrote {args.out}")
     return rows
 

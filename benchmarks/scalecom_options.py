@@ -4,8 +4,9 @@ kernels, and write docs/options.md.
     .venv/bin/python -m benchmarks.scalecom_options            # full run (a few minutes)
     .venv/bin/python -m benchmarks.scalecom_options --smoke    # one epoch, tiny tensors
 
-Timings are medians of repeated runs measured side by side in one process; step times of the jobs
-are wall-clock seconds of the whole run divided by its steps.
+Each job runs once under horovodrun; its step time is the example's training time (its epochs,
+the per-epoch evaluation included) divided by its steps. The selection kernels are timed in one
+process, each method several times in turn on the same tensor (medians).
 """
 
 import argparse
@@ -87,17 +88,18 @@ def time_selection(sizes, ratio=0.01, repeats=7):
     return rows
 
 
-def write_markdown(jobs, selection, path, command):
+def write_markdown(jobs, selection, path, command, epochs):
     dense = {r["workers"]: r for r in jobs if r["compression"] == "dense"}
     lines = [
         "# ScaleCom options beyond the paper, measured",
         "",
         f"Made by `{command}` (Gloo workers on one 2-core machine, one thread each; digits MLP of",
-        "167,178 parameters, ratio 0.01, beta 0.5, 25 epochs). Bytes are what this rank handed to",
+        f"167,178 parameters, ratio 0.01, beta 0.5, {epochs} epoch{'s' if epochs > 1 else ''}). Bytes are "
+        "what this rank handed to",
         "Horovod in the last step (values + indices + dense small tensors); the reduction is over the",
-        "whole run. Step times are wall-clock and include the index broadcast round trips; they are",
-        "noisy on this shared machine and only comparable within this table; each is also given",
-        "relative to the dense job with the same number of workers.",
+        "whole run. Step times are one run's training time (per-epoch evaluation included) over its steps,",
+        "with the index broadcast round trips; they are noisy on this shared machine and only comparable",
+        "within this table; each is also given relative to the dense job with the same number of workers.",
         "",
         "| configuration | workers | test accuracy | bytes/step | fewer bytes than dense | ms/step "
         "| ms/step vs dense |",
@@ -131,11 +133,12 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="default: docs/options.md (a temporary file in --smoke)")
     args = ap.parse_args(argv)
     args.out = output_path(args.out, args.smoke, "options.md")
-    jobs = run_jobs(epochs=1, jobs=SMOKE_JOBS) if args.smoke else run_jobs(epochs=25)
+    epochs = 1 if args.smoke else 25
+    jobs = run_jobs(epochs=epochs, jobs=SMOKE_JOBS if args.smoke else JOBS)
     selection = time_selection([70_000] if args.smoke else [1 << 20, 4_200_000, 25_000_000],
                                repeats=1 if args.smoke else 7)
     command = command_line("scalecom_options", argv)
-    write_markdown(jobs, selection, args.out, command)
+    write_markdown(jobs, selection, args.out, command, epochs)
     print(f"wrote {args.out}")
 
 
