@@ -143,6 +143,7 @@ def analysis(results, crit):
     R = results
     m = lambda *a: _m(R, *a)  # noqa: E731
     kb = lambda *a: _kb(R, *a)  # noqa: E731
+    knob = lambda task, scheme, n: R["matching"][task][str(n)][scheme]["knob"]  # noqa: E731
     lines = ["## Reading the results", ""]
     if crit:
         lines += [*_criterion_text(crit), "", *_what_it_takes(R, crit), ""]
@@ -230,7 +231,9 @@ def analysis(results, crit):
         "and momentum applies it in bursts. It would need a learning rate about d/k times smaller.",
         f"* **Sketched SGD** loses at matched bytes: a count sketch of FetchSGD's proportions (5 rows "
         "x 10 k columns, plus 2 k exact candidates) is 52 floats per selected coordinate, so within "
-        "ScaleCom's bytes it can select only about 1/35 of ScaleCom's k (ratio 0.00028). It then "
+        f"ScaleCom's bytes it can select only about "
+        f"1/{R['recipes']['digits']['ratio'] / knob('digits', 'sketched', 64):.0f} "
+        f"of ScaleCom's k (ratio {knob('digits', 'sketched', 64):.2g}). It then "
         f"applies few coordinates per step and its error accumulation grows "
         f"({_peak(R, 'digits', 'sketched', 64)[1]:.3g} on digits at n = 64, still rising): "
         f"{m('digits', 'sketched', 64)} on digits and {m('charlm', 'sketched', 64)} on the LM at n = 64. "
@@ -245,8 +248,9 @@ def analysis(results, crit):
         "rank 1 (fewer bytes than ScaleCom) is the only cheaper setting.",
         f"* **Qsparse-local-SGD** is good at n = 4 ({m('digits', 'qsparse', 4)}, "
         f"{m('charlm', 'qsparse', 4)}) and degrades with n: its per-worker top-k travels by allgather, "
-        "so at matched bytes its k must shrink as 1/n (ratio 0.14 at n = 4, 0.0087 at n = 64 on "
-        "digits), and between synchronisations every worker takes 8 local steps at the scaled "
+        f"so at matched bytes its k must shrink as 1/n (ratio {knob('digits', 'qsparse', 4):.2g} at n = 4, "
+        f"{knob('digits', 'qsparse', 64):.2g} at n = 64 on digits), and between synchronisations every "
+        "worker takes 8 local steps at the scaled "
         f"learning rate, so the drift it compresses grows: {m('digits', 'qsparse', 64)} on digits "
         f"(residue peak {_peak(R, 'digits', 'qsparse', 64)[0]:.2g}) and {m('charlm', 'qsparse', 64)} "
         "on the LM at n = 64.",
