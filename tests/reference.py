@@ -1,10 +1,13 @@
-"""Single-process reference of ScaleCom's equations, written from the paper in NumPy.
+"""Single-process references of the schemes' equations, written from the papers in NumPy.
 
-Deliberately independent of ``hvd_scalecom.torch.clt_k``: it materialises every quantity the
-equations name, in float32, exactly as Chen et al. (NeurIPS 2020), Algorithm 1 states them.
+Deliberately independent of ``hvd_scalecom``: ScaleCom's materialises every quantity the equations
+name, in float32, exactly as Chen et al. (NeurIPS 2020), Algorithm 1 states them; Qsparse-local-SGD's
+(:class:`QsparseReference`, Basu et al., NeurIPS 2019, Alg. 1) runs in float64, worker by worker. The
+only thing they share with the code under test is a random stream both must draw alike (QSGD's noise).
 """
 
 import math
+from fractions import Fraction
 
 import numpy as np
 
@@ -52,3 +55,85 @@ def scalecom_reference(raw_grads, names, size, ratio, beta, warmup_steps, min_nu
             out[name] = dense.reshape(per_rank[0][name].shape)
         applied.append(out)
     return applied, memories
+
+
+def selected_count(ratio, numel, max_k=None):
+    """k = max(1, ceil(ratio numel)) for the decimal ``ratio`` (at most numel, and max_k if given)."""
+    exact = Fraction(repr(float(ratio))) * numel
+    k = min(numel, max(1, -(-exact.numerator // exact.denominator)))
+    return k if max_k is None else min(k, max_k)
+
+
+class QsparseReference:
+    """Qsparse-local-SGD, Alg. 1 of Basu et al. (NeurIPS 2019), for ``n`` workers in float64.
+
+    Every worker takes local SGD steps (``buf = momentum buf + g``, ``x_i -= lr buf``); every
+    ``local_steps``-th step ends with a synchronisation: per tensor of at least ``min_numel`` entries,
+    ``delta_i = m_i + x_i - x_last``, ``c_i = Q(Top_k(delta_i))``, ``m_i = delta_i - c_i``,
+    ``x_new = x_last + mean_i c_i``; smaller tensors average, ``x_new = mean_i x_i``; every worker
+    restarts from ``x_new``. Q: ``top_k`` (the values), ``sign_top_k`` (``||v||_1 / k sign(v)``) or
+    ``qsgd_top_k`` (QSGD with s = ``levels``, divided by ``1 + min(k / s^2, sqrt(k) / s)``), whose
+    uniform draws come, per synchronisation and compressed tensor in order, as ``n x k`` draws of a
+    ``torch.Generator`` seeded with ``seed`` (rank i's row, in the order of its ascending indices).
+    """
+
+    def __init__(self, x0, n, lr, local_steps, ratio, operator, levels=256, momentum=0.0, max_k=None,
+                 min_numel=0, seed=0):
+        import torch  # (only for the shared random stream)
+
+        self.names, self.n, self.lr, self.local_steps = list(x0), n, lr, local_steps
+        self.ratio, self.operator, self.levels, self.momentum = ratio, operator, levels, momentum
+        self.max_k, self.min_numel = max_k, min_numel
+        self.generator = torch.Generator().manual_seed(seed)
+        self.shared = {m: np.asarray(v, np.float64).reshape(-1).copy() for m, v in x0.items()}
+        self.local = [{m: v.copy() for m, v in self.shared.items()} for _ in range(n)]
+        self.memory = [{m: np.zeros(v.size) for m, v in self.shared.items()} for _ in range(n)]
+        self.buf = [{m: np.zeros(v.size) for m, v in self.shared.items()} for _ in range(n)]
+        self.t = 0
+
+    def step(self, grads):
+        """One step from ``grads[i][name]``, worker i's gradient at its own weights."""
+        for i in range(self.n):
+            for m in self.names:
+                self.buf[i][m] = self.momentum * self.buf[i][m] + np.asarray(grads[i][m], np.float64).reshape(-1)
+                self.local[i][m] = self.local[i][m] - self.lr * self.buf[i][m]
+        if (self.t + 1) % self.local_steps == 0:
+            self._synchronise()
+        self.t += 1
+
+    def _synchronise(self):
+        import torch
+
+        for m in self.names:
+            numel = self.shared[m].size
+            if numel == 0 or numel < self.min_numel:
+                new = np.mean([self.local[i][m] for i in range(self.n)], axis=0)
+            else:
+                k = selected_count(self.ratio, numel, self.max_k)
+                noise = (torch.rand(self.n, k, generator=self.generator).numpy().astype(np.float64)
+                         if self.operator == "qsgd_top_k" else None)
+                total = np.zeros(numel)
+                for i in range(self.n):
+                    delta = self.memory[i][m] + self.local[i][m] - self.shared[m]
+                    chosen = np.sort(np.argsort(-np.abs(delta), kind="stable")[:k])
+                    c = self._quantise(delta[chosen], None if noise is None else noise[i])
+                    self.memory[i][m] = delta.copy()
+                    self.memory[i][m][chosen] -= c
+                    total[chosen] += c
+                new = self.shared[m] + total / self.n
+            self.shared[m] = new
+            for i in range(self.n):
+                self.local[i][m] = new.copy()
+
+    def _quantise(self, kept, noise):
+        k = kept.size
+        if self.operator == "top_k":
+            return kept
+        if self.operator == "sign_top_k":
+            return np.abs(kept).sum() / k * np.sign(kept)
+        s = self.levels
+        norm = np.linalg.norm(kept)
+        scaled = np.abs(kept) / norm * s if norm > 0 else np.zeros(k)
+        xi = np.floor(scaled) + (noise < scaled - np.floor(scaled))
+        return norm * np.sign(kept) * xi / s / (1 + min(k / s ** 2, math.sqrt(k) / s))
+

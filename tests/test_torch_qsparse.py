@@ -20,6 +20,7 @@ from hvd_scalecom.sim import QsparseLocalSGD as SimQsparse
 from hvd_scalecom.sim import Simulator
 from hvd_scalecom.torch.qsparse_steps import compress_delta_, decode, encode, mean_of_sparse
 from hvd_scalecom.torch.quantize import qsgd_top_k, sign_top_k
+from reference import QsparseReference
 from test_torch_sketched_sgd import add_run, completed, shared_job
 
 NAMES = ["hidden.weight", "hidden.bias", "out.weight", "out.bias"]
@@ -67,6 +68,28 @@ def simulator(opts, n):
     return Simulator(scheme, n, Net().to(getattr(torch, opts.get("dtype", "float32"))).named_parameters())
 
 
+def reference(opts, n):
+    """The NumPy reference of the paper's equations (tests/reference.py), from the job's initial model."""
+    torch.manual_seed(0)
+    x0 = {m: p.detach().numpy() for m, p in
+          Net().to(getattr(torch, opts.get("dtype", "float32"))).named_parameters()}
+    return QsparseReference(x0, n, lr=0.1, local_steps=opts["local_steps"], ratio=opts["ratio"],
+                            operator=opts["operator"], levels=opts.get("levels", 256),
+                            momentum=opts.get("momentum", 0.0), max_k=opts.get("max_k"),
+                            min_numel=opts["min_numel"], seed=opts.get("seed", 0))
+
+
+def follow(ref, results, steps, first=0, rtol=1e-5, atol=1e-6):
+    """Feed the job's raw gradients to the reference; after every step each rank's weights must be
+    the reference's worker's (float64 there, so to the job's rounding)."""
+    for t in range(first, first + steps):
+        ref.step([{n: r[f"raw/{t}/{n}"] for n in NAMES} for r in results])
+        for rank, r in enumerate(results):
+            for n in NAMES:
+                np.testing.assert_allclose(r[f"local/{t}/{n}"].reshape(-1), ref.local[rank][n], rtol=rtol,
+                                           atol=atol, err_msg=f"step {t}, {n}, rank {rank}: the reference")
+
+
 def replay(sim, results, steps, first=0, rtol=1e-6, atol=1e-7):
     """Feed the job's raw gradients to ``sim``; after every step each rank's weights must be the
     simulator's worker's. Returns the simulator's per-step updates (the change at synchronisations)."""
@@ -107,6 +130,7 @@ def test_qsgd_three_ranks_match_the_simulator_and_the_timeline(request, tmp_path
     results = completed(job, "qsparse_qsgd", 3)
     assert len(results) == 3
     updates = replay(simulator(opts, 3), results, 7)
+    follow(reference(opts, 3), results, 7)
     for t in (2, 5):  # synchronisations: k = ceil(0.05 numel) entries per rank, up to 3 k distinct
         check_synchronised(results, t)
         for n, k in (("hidden.weight", 154), ("out.weight", 32)):
@@ -147,6 +171,9 @@ def test_sign_momentum_int64_and_checkpoint_round_trip(request, tmp_path_factory
     second = completed(shared_job("np2_second", request, tmp_path_factory), "qsparse_sign_second", 2)
     sim = simulator(opts, 2)
     updates = replay(sim, first, 5)
+    ref = reference(opts, 2)
+    follow(ref, first, 5)
+    follow(ref, second, 3, first=5)
     ks = {"hidden.weight": 50, "hidden.bias": 4, "out.weight": 32, "out.bias": 1}
     for n, k in ks.items():  # SignTopK: one magnitude per rank and tensor: s0, s1, s0 + s1, |s0 - s1| (/2)
         nonzero = updates[3][n].numpy()[updates[3][n].numpy() != 0]
@@ -175,12 +202,14 @@ def test_one_rank_and_float64_parameters_match_the_simulator(request, tmp_path_f
     job = shared_job("np1", request, tmp_path_factory)
     sign = completed(job, "qsparse_one_rank_sign", 1)
     replay(simulator(ONE_RANK_SIGN, 1), sign, 4)
+    follow(reference(ONE_RANK_SIGN, 1), sign, 4)
     stats = json.loads(str(sign[0]["stats/1"]))
     ks = {"hidden.weight": 154, "hidden.bias": 4, "out.weight": 32, "out.bias": 1}
     assert (stats["index_bytes"], stats["value_bytes"]) == (4 * sum(ks.values()), sum(ks.values()) + 4 * 4)
     wide = completed(job, "qsparse_float64_top_k", 1)
     assert wide[0]["local/3/hidden.weight"].dtype == np.float64
     updates = replay(simulator(FLOAT64_TOP_K, 1), wide, 4, rtol=1e-12, atol=1e-14)
+    follow(reference(FLOAT64_TOP_K, 1), wide, 4, rtol=1e-12, atol=1e-14)
     assert np.count_nonzero(updates[1]["hidden.weight"].numpy()) == 154
     stats = json.loads(str(wide[0]["stats/1"]))
     assert (stats["index_bytes"], stats["value_bytes"]) == (4 * (154 + 32), 8 * (154 + 32))
