@@ -2,8 +2,10 @@
 
 Deliberately independent of ``hvd_scalecom``: ScaleCom's materialises every quantity the equations
 name, in float32, exactly as Chen et al. (NeurIPS 2020), Algorithm 1 states them; Qsparse-local-SGD's
-(:class:`QsparseReference`, Basu et al., NeurIPS 2019, Alg. 1) runs in float64, worker by worker. The
-only thing they share with the code under test is a random stream both must draw alike (QSGD's noise).
+(:class:`QsparseReference`, Basu et al., NeurIPS 2019, Alg. 1) and Sketched SGD's
+(:class:`SketchedReference`, Ivkin et al., NeurIPS 2019, Alg. 1) run in float64, worker by worker. The
+only things they share with the code under test are random choices both must make alike (QSGD's
+noise, the count sketch's hash functions).
 """
 
 import math
@@ -136,4 +138,68 @@ class QsparseReference:
         scaled = np.abs(kept) / norm * s if norm > 0 else np.zeros(k)
         xi = np.floor(scaled) + (noise < scaled - np.floor(scaled))
         return norm * np.sign(kept) * xi / s / (1 + min(k / s ** 2, math.sqrt(k) / s))
+
+
+class SketchedReference:
+    """Sketched SGD, Alg. 1 of Ivkin et al. (NeurIPS 2019), for ``n`` workers in float64.
+
+    ``shapes``: ``{name: shape}`` in parameter order. The sketched tensors (two or more dimensions and
+    at least ``min_numel`` entries) form one vector; per step and worker ``u_i = rho u_i + g_i``,
+    ``v_i = v_i + u_i``; the summed sketches ``S = sum_i S(v_i)`` (``rows x columns``, ``columns``
+    default ``10 k``) estimate ``sum_i v_i``; its ``candidates k`` largest estimated magnitudes get
+    their exact sums, whose ``k`` largest are applied, ``/ n``, and zeroed in every ``u_i`` and ``v_i``.
+    Other tensors, and every tensor during the first ``warmup_steps`` steps, apply ``mean_i u_i``.
+    ``hashes(numel, rows, columns)`` gives the sketch's ``(buckets, signs)``, ``(rows, numel)`` each.
+    """
+
+    def __init__(self, shapes, n, ratio, rows, columns, candidates, momentum, warmup_steps, min_numel,
+                 hashes):
+        self.shapes, self.n, self.rho, self.warmup_steps = dict(shapes), n, momentum, warmup_steps
+        self.sketched = [m for m, shape in shapes.items()
+                         if len(shape) >= 2 and 0 < math.prod(shape) and math.prod(shape) >= min_numel]
+        numels = [math.prod(shapes[m]) for m in self.sketched]
+        self.numel = sum(numels)
+        self.k = min(self.numel, sum(selected_count(ratio, d) for d in numels))
+        self.columns = columns if columns is not None else 10 * self.k
+        self.count = min(self.numel, candidates * self.k)
+        self.rows = rows
+        self.buckets, self.signs = (np.asarray(a) for a in hashes(self.numel, rows, self.columns))
+        self.u = np.zeros((n, self.numel))
+        self.v = np.zeros((n, self.numel))
+        self.dense_u = {m: np.zeros((n, math.prod(shape))) for m, shape in shapes.items() if m not in self.sketched}
+        self.t = 0
+
+    def step(self, grads):
+        """``{name: applied update}`` (each in its shape) from ``grads[i][name]``."""
+        out = {}
+        for m, u in self.dense_u.items():
+            u *= self.rho
+            u += np.array([np.asarray(g[m], np.float64).reshape(-1) for g in grads])
+            out[m] = u.mean(axis=0)
+        g = np.array([np.concatenate([np.asarray(gi[m], np.float64).reshape(-1) for m in self.sketched])
+                      for gi in grads]) if self.sketched else np.zeros((self.n, 0))
+        self.u = self.rho * self.u + g
+        if self.t < self.warmup_steps:
+            update = self.u.mean(axis=0)
+        else:
+            self.v = self.v + self.u
+            total = self.v.sum(axis=0)
+            table = np.zeros((self.rows, self.columns))
+            for j in range(self.rows):  # the sum of the workers' sketches is the sketch of the sum
+                np.add.at(table[j], self.buckets[j], self.signs[j] * total)
+            estimate = np.median([self.signs[j] * table[j, self.buckets[j]] for j in range(self.rows)], axis=0)
+            candidates = np.argsort(-np.abs(estimate), kind="stable")[:self.count]
+            exact = total[candidates]
+            chosen = candidates[np.argsort(-np.abs(exact), kind="stable")[:self.k]]
+            update = np.zeros(self.numel)
+            update[chosen] = total[chosen] / self.n
+            self.u[:, chosen] = 0.0
+            self.v[:, chosen] = 0.0
+        at = 0
+        for m in self.sketched:
+            d = math.prod(self.shapes[m])
+            out[m] = update[at:at + d]
+            at += d
+        self.t += 1
+        return {m: out[m].reshape(self.shapes[m]) for m in self.shapes}
 

@@ -17,6 +17,8 @@ import torch
 from hvd_scalecom.launch import HorovodRunError, run
 from hvd_scalecom.sim import Simulator
 from hvd_scalecom.sim import SketchedSGD as SimSketchedSGD
+from hvd_scalecom.torch.sketch import CountSketch
+from reference import SketchedReference
 
 NAMES = ["hidden.weight", "hidden.bias", "out.weight", "out.bias"]
 BASE = {"ratio": 0.02, "rows": 3, "columns": 400, "candidates": 2, "momentum": 0.9, "min_numel": 600}
@@ -127,6 +129,31 @@ def simulator(opts, n):
     return Simulator(scheme, n, Net().named_parameters())
 
 
+def reference(opts, n):
+    """The NumPy reference of the paper's equations (tests/reference.py); of this project's code it
+    shares only the count sketch's hash functions, a random choice both must make alike."""
+    def hashes(numel, rows, columns):
+        buckets, signs = CountSketch(numel, rows, columns, seed=opts.get("seed", 0)).hashes(torch.arange(numel))
+        return buckets.numpy(), signs.numpy()
+
+    shapes = {n_: tuple(p.shape) for n_, p in Net().named_parameters()}
+    return SketchedReference(shapes, n, ratio=opts["ratio"], rows=opts["rows"], columns=opts["columns"],
+                             candidates=opts["candidates"], momentum=opts["momentum"],
+                             warmup_steps=opts.get("warmup_steps", 0), min_numel=opts["min_numel"],
+                             hashes=hashes)
+
+
+def follow(ref, results, steps, first=0, scale=1.0, rtol=1e-5, atol=1e-6):
+    """Feed the job's raw gradients to the reference; every rank's applied gradient must be ``scale``
+    times its update (float64 there, so to the job's rounding)."""
+    for t in range(first, first + steps):
+        update = ref.step([{n: r[f"raw/{t}/{n}"] for n in NAMES} for r in results])
+        for n in NAMES:
+            for rank, r in enumerate(results):
+                np.testing.assert_allclose(r[f"applied/{t}/{n}"], scale * update[n], rtol=rtol, atol=atol,
+                                           err_msg=f"step {t}, {n}, rank {rank}: the reference")
+
+
 def replay(sim, results, steps, first=0, scale=1.0, rtol=1e-5, atol=1e-7):
     """Feed the job's raw gradients of ``steps`` steps to ``sim``; every rank's applied gradient must be
     ``scale`` times the simulator's update. Returns the updates."""
@@ -191,6 +218,7 @@ def test_three_ranks_match_the_simulator_and_move_the_sketch(request, tmp_path_f
 
     # Open loop: the job's raw gradients through the simulator give every rank's applied gradient.
     updates = replay(simulator(opts, 3), results, steps)
+    follow(reference(opts, 3), results, steps)
     for t, update in enumerate(updates):
         sketched = sum(np.count_nonzero(update[n].numpy()) for n in ("hidden.weight", "out.weight"))
         assert sketched == (3072 + 640 if t < warmup else K), t
@@ -240,6 +268,9 @@ def test_sum_op_groups_accumulation_and_checkpoint_round_trip(request, tmp_path_
     second = completed(shared_job("np2_second", request, tmp_path_factory), "sketched_sum_second", 2)
     sim = simulator(opts, 2)
     replay(sim, first, 4, scale=2.0)  # op=Sum: n times the mean
+    ref = reference(opts, 2)
+    follow(ref, first, 4, scale=2.0)
+    follow(ref, second, 3, first=4, scale=2.0)
     fresh = simulator(opts, 2)
     replay(sim, second, 3, first=4, scale=2.0)
     check_identical_weights(first)
