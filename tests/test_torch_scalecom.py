@@ -34,6 +34,9 @@ def check_against_reference(results, opts, steps, names=NAMES, rtol=2e-5, atol=1
                 got = r[f"applied/{first + t}/{n}"]
                 np.testing.assert_allclose(got, applied[t][n], rtol=rtol, atol=atol,
                                            err_msg=f"step {first + t}, {n}, rank {rank}")
+                # and exactly the reference's entries (k of them on compressed steps), nothing else
+                np.testing.assert_array_equal(got.reshape(-1) != 0, applied[t][n].reshape(-1) != 0,
+                                              err_msg=f"step {first + t}, {n}, rank {rank}: non-zeros")
     for rank, r in enumerate(results):
         for n in names:
             if f"memory/{n}" in r and first == 0:
@@ -78,6 +81,7 @@ def test_large_tensors_threshold_selection_both_kernel_paths(horovod_job, kernel
             **({"transposed_hidden": True} if kernels == "C, non-contiguous gradient" else {})}
     env = {"HVD_SCALECOM_NATIVE": "0"} if kernels == "torch" else None
     results, _ = horovod_job("torch_scalecom.py", opts, np=3, env=env)
+    assert all(bool(r["native"]) == (kernels != "torch") for r in results)  # the path named above ran
     applied = check_against_reference(results, opts, steps=6)
     check_identical_weights(results)
     assert sparsity(applied[5], "hidden.weight") == pytest.approx(0.02, abs=1e-4)
@@ -217,6 +221,7 @@ def test_nonfinite_gradient_skips_the_step_on_every_rank_and_spares_the_memory(h
             **({"advance_min_numel": 0} if kernels == "C, traded buffers" else {})}
     env = {"HVD_SCALECOM_NATIVE": "0"} if kernels == "torch" else None
     results, _ = horovod_job("torch_scalecom.py", opts, np=3, env=env)
+    assert all(bool(r["native"]) == (kernels != "torch") for r in results)  # the path named above ran
     for r in results:
         assert not np.isfinite(r["applied/3/hidden.weight"]).all()
         for n in NAMES:

@@ -23,8 +23,9 @@ def test_requires_grad_toggled_mid_training(horovod_job, np_, ranks, pipelined):
             "freeze": {"param": "out.weight", "ranks": ranks, "from": 3, "to": 6}}
     results, _ = horovod_job("torch_scalecom.py", opts, np=np_, timeout=180, env=FAST_STALL)
     assert len(results) == np_
-    for rank in ranks:
-        assert not results[rank]["raw/4/out.weight"].any()  # frozen: no local gradient
+    # every parameter goes through compress once per step, frozen or not (Horovod reduces zeros for a
+    # frozen rank's parameter in synchronize())
+    assert all(int(r[f"compress_calls/{t}"]) == len(NAMES) for r in results for t in range(8))
     if len(ranks) == np_:  # frozen everywhere: the residue memory still drains into the parameter
         assert np.count_nonzero(results[0]["applied/4/out.weight"]) == 32  # k = ceil(0.05 * 640)
     check_against_reference(results, opts, steps=8)
@@ -38,7 +39,8 @@ def test_tied_embedding_used_twice(horovod_job, np_):
     names = NAMES + ["embed.weight"]
     opts = {"ratio": 0.05, "beta": 0.5, "min_numel": 600, "steps": 5, "tied_embedding": True}
     results, _ = horovod_job("torch_scalecom.py", opts, np=np_, timeout=180, env=FAST_STALL)
-    assert "unembed.weight" not in {k.split("/")[-1] for k in results[0]}
+    # its hook fires once a step: one compress per parameter, the tied one included
+    assert all(int(r[f"compress_calls/{t}"]) == len(names) for r in results for t in range(5))
     check_against_reference(results, opts, steps=5, names=names)
     check_identical_weights(results, names)
 

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 import horovod.torch as hvd
+from hvd_scalecom import native
 from hvd_scalecom.torch import ScaleCom, clt_k
 
 torch.set_num_threads(1)
@@ -104,6 +105,16 @@ if opts.get("groups") == "list":
 elif opts.get("groups"):
     groups = int(opts["groups"])
 passes = opts.get("backward_passes_per_step", 1)
+compress_calls = [0]  # how many gradients Horovod handed to compress (per step, recorded below)
+compress_once = compression.compress
+
+
+def counted_compress(tensor):
+    compress_calls[0] += 1
+    return compress_once(tensor)
+
+
+compression.compress = counted_compress
 optimizer = hvd.DistributedOptimizer(
     optimizer, named_parameters=model.named_parameters(), compression=compression,
     backward_passes_per_step=passes, groups=groups, sparse_as_dense=opts.get("sparse_as_dense", False),
@@ -190,6 +201,8 @@ for t in range(first_step, first_step + opts.get("steps", 6)):
                 optimizer.step()
     else:
         optimizer.step()
+    record[f"compress_calls/{t}"] = np.array(compress_calls[0])
+    compress_calls[0] = 0
     for (name, p), r in zip(named, raw):
         record[f"raw/{t}/{name}"] = r.float().numpy()
         record[f"applied/{t}/{name}"] = (p.grad.to_dense() if p.grad.is_sparse else p.grad).float().numpy()
@@ -202,6 +215,7 @@ for name, entry in compression.state_dict()["params"].items():
         record[f"memory/{name}"] = (entry["memory"] / (entry["scale"] or 1.0)).numpy()  # unscaled
 record["stats"] = np.array(json.dumps(compression.stats()))
 record["traded"] = np.array(traded[0])
+record["native"] = np.array(native.library() is not None)  # which path the job's passes could take
 record["non_contiguous"] = np.array(non_contiguous[0])
 np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **record)
 if opts.get("checkpoint"):
