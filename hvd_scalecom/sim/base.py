@@ -182,10 +182,15 @@ class Scheme:
         self.load_extra_state(saved.get("extra", {}))  # may raise: before anything else changes
         self.state = state
 
+    def memory_keys(self):
+        """State keys of per-worker memories (one row of the parameter's size per worker), made at
+        their first use by :meth:`memory`."""
+        return (*self.residue_keys(), "memory", "momentum")
+
     def state_shapes(self, spec):
         """``{key: shape}`` of every state tensor this scheme may keep for ``spec``: by default its
-        memories (one row of the parameter's size per worker)."""
-        return {key: (self.n, spec.numel) for key in (*self.residue_keys(), "memory", "momentum")}
+        memories."""
+        return {key: (self.n, spec.numel) for key in self.memory_keys()}
 
     def check_state(self, spec, key, value):
         """ValueError if ``value`` (of the right shape) cannot be state ``key`` of ``spec``."""
@@ -193,7 +198,7 @@ class Scheme:
     def made_later(self):
         """State keys made during steps (absent from a state saved before them); the others are made
         by :meth:`bind` and every saved state holds them."""
-        return (*self.residue_keys(), "memory", "momentum")
+        return self.memory_keys()
 
     def extra_state(self):
         return {}

@@ -116,7 +116,7 @@ class ScaleCom(_SharedIndices):
 
     def check_state(self, spec, key, value):
         if key == "ahead":  # the indices selected a step ahead (pipelined)
-            check_next_indices(spec.name, (0, value.cpu().numpy()), self.config.num_selected(spec.numel),
+            check_next_indices(spec.name, (0, value), self.config.num_selected(spec.numel),
                                spec.numel, self.config.pipelined and self.config.compresses(spec.numel))
 
     def compress(self, spec, G, t, record, diagnostics):

@@ -166,7 +166,7 @@ def _native_select_of_sum(memory, grad, k, selection, index_dtype=torch.int64):
     grad = _flat(grad)
     numel = memory.numel()
     if (selection == "threshold" and k < numel <= config.INT32_INDEX_MAX_NUMEL  # (int32 candidates)
-            and _thresholded(numel, k, True) and grad.numel() == numel and _native_applies(memory, grad)):
+            and _thresholded(numel, k, True) and _native_pair(memory, grad)):
         return _native_select(memory, grad, k, index_dtype)
     return None
 
@@ -200,6 +200,12 @@ def kernels_for(*tensors):
 
 def _native_applies(*tensors):
     return kernels_for(*tensors) is not None
+
+
+def _native_pair(memory, grad, *others):
+    """Whether the C passes take this memory and gradient (and ``others``): :func:`kernels_for` them,
+    and one entry of memory per entry of gradient (the passes index both up to the gradient's size)."""
+    return memory.numel() == grad.numel() and _native_applies(memory, grad, *others)
 
 
 def _flat(tensor, dtype=None):
@@ -401,8 +407,7 @@ def take_checking(memory, grad, indices, check=True):
     :func:`filter_and_scatter_`). One read-only pass in C on contiguous fp32 CPU tensors."""
     flat = _flat(grad)
     indices = _flat(indices, torch.int64)
-    if (memory.numel() == flat.numel() and _native_applies(memory, flat) and indices.is_cpu
-            and indices.is_contiguous()):
+    if _native_pair(memory, flat) and indices.is_cpu and indices.is_contiguous():
         k = indices.numel()
         memory_at_indices, values = torch.empty(k, dtype=torch.float32), torch.empty(k, dtype=torch.float32)
         status = native.library().hsc_take(memory.data_ptr(), flat.data_ptr(), flat.numel(), indices.data_ptr(),
@@ -439,8 +444,7 @@ def filter_and_scatter_(memory, grad, indices, reduced, taken, sent, beta):
     the memory and ``grad`` over the entries it found, and the step cannot be taken again."""
     flat = grad if grad.ndim == 1 else grad.view(-1)  # written to: a view, never a copy
     reduced = _flat(reduced, flat.dtype)
-    if (memory.numel() == flat.numel() and _native_applies(memory, flat, reduced) and indices.is_cpu
-            and indices.numel() == reduced.numel()):
+    if _native_pair(memory, flat, reduced) and indices.is_cpu and indices.numel() == reduced.numel():
         if taken.cut is not None and grad._version == taken.cut.grad_version:
             updated = _native_filter_and_scatter_cut_(memory, flat, reduced, taken.cut, beta)
         else:
@@ -510,7 +514,7 @@ def may_advance(memory, grad):
     storage (it will become the memory's) and not requiring grad, and the C kernels available."""
     return (grad.numel() >= _ADVANCE_MIN_NUMEL and grad.storage_offset() == 0
             and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
-            and not grad.requires_grad and memory.numel() == grad.numel() and _native_applies(memory, grad))
+            and not grad.requires_grad and _native_pair(memory, grad))
 
 
 def take_advancing_(memory, grad, indices, beta, marks=None):
