@@ -112,9 +112,10 @@ class ScaleComConfig:
             raise ValueError(f"index_dtype must be one of {INDEX_DTYPES}, got {self.index_dtype!r}")
         if not isinstance(self.pipelined, bool):
             raise TypeError(f"pipelined must be True or False, got {self.pipelined!r}")
-        # Normalise numbers so that configs built from 1 and 1.0 compare (and hash) equal.
-        object.__setattr__(self, "ratio", float(self.ratio))
-        object.__setattr__(self, "beta", float(self.beta))
+        # Normalise numbers so that configs built from 1 and 1.0 (or np.float32(0.1)) compare (and hash)
+        # equal, each number as the decimal it prints as (see ``ratio``).
+        object.__setattr__(self, "ratio", _as_printed(self.ratio))
+        object.__setattr__(self, "beta", _as_printed(self.beta))
         object.__setattr__(self, "warmup_steps", int(self.warmup_steps))
         object.__setattr__(self, "min_numel", int(self.min_numel))
 
@@ -163,6 +164,16 @@ def check_dtype_name(name, argument, allowed):
 
 
 @functools.lru_cache(maxsize=64)
+def _as_printed(x):
+    """``x`` as the Python float of the decimal it prints as: ``np.float32(0.1)`` prints as 0.1 and
+    gives 0.1, not its binary value 0.10000000149011612 (``float(x)`` where ``str`` names no decimal,
+    e.g. a ``Fraction``)."""
+    try:
+        return float(str(x))
+    except ValueError:
+        return float(x)
+
+
 def _decimal(ratio):
     """``ratio`` as the fraction its shortest decimal form names (``repr``): 0.07 is 7/100 exactly."""
     return fractions.Fraction(repr(ratio))

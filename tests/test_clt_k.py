@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from hvd_scalecom import native
 from hvd_scalecom.torch import clt_k
 
 
@@ -225,3 +226,13 @@ def test_error_compensated_into_a_larger_scratch_buffer():
     p = clt_k.error_compensated_into(scratch, memory, grad)
     assert p.shape == (1000,) and p.data_ptr() == scratch.data_ptr()
     assert torch.equal(p, clt_k.error_compensated(memory, grad))
+
+
+def test_a_negative_k_is_refused_alike_on_every_path():
+    p = torch.randn(5000)
+    for run in (lambda: clt_k.select_top_k(p, -1, "threshold"), lambda: clt_k.select_top_k(p, -1, "exact"),
+                lambda: clt_k.select_and_take(torch.zeros(5000), p, -1, "threshold")):
+        with pytest.raises(ValueError, match="k must be >= 0, got -1"):
+            run()
+        with native.torch_operations(), pytest.raises(ValueError, match="k must be >= 0, got -1"):
+            run()

@@ -50,3 +50,12 @@ def test_a_count_sketch_of_2_31_columns_or_more_is_refused_by_the_configuration(
         SketchedSGDConfig(ratio=0.5).num_columns(214_748_365)
     with pytest.raises(ValueError, match="columns must be below 2"):
         SketchedSGDConfig(columns=2**31)
+
+
+def test_numpy_scalars_count_as_the_decimals_they_print_as():
+    """np.float32(0.07) prints as 0.07: k and the configuration are those of 0.07 (ranks that build
+    their ratio with NumPy agree with those that do not)."""
+    for ratio, k in ((np.float32(0.07), 7), (np.float32(0.1), 10), (np.float16(0.25), 25)):
+        assert ScaleComConfig(ratio=ratio).num_selected(100) == k
+        assert ScaleComConfig(ratio=ratio) == ScaleComConfig(ratio=float(str(ratio)))
+    assert ScaleComConfig(beta=np.float32(0.1)).beta == 0.1

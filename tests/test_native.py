@@ -216,6 +216,21 @@ def test_advancing_declines_repeated_indices_and_rejects_out_of_range_ones_befor
     assert torch.equal(grad, grad_before)
 
 
+def test_the_advancing_passes_refuse_tensors_the_c_passes_cannot_take_before_any_pointer_reaches_c():
+    memory, grad, indices = torch.zeros(4096), torch.randn(4096), torch.tensor([3, 9])
+    bad_pairs = [(memory, grad.half(), "grad must be a contiguous fp32 CPU tensor"),
+                 (memory.double(), grad, "memory must be a contiguous fp32 CPU tensor"),
+                 (memory, torch.randn(64, 64).t(), "not contiguous"),
+                 (torch.zeros(10), grad, "memory has 10 entries, grad 4096")]
+    for m, g, message in bad_pairs:
+        before = g.clone()
+        with pytest.raises(ValueError, match=message):
+            clt_k.take_advancing_(m, g, indices, BETA)
+        with pytest.raises(ValueError, match=message):
+            clt_k.filter_and_scatter_advanced(m, g, indices, torch.ones(2), None, torch.ones(2), BETA)
+        assert torch.equal(g, before)
+
+
 def test_only_large_fp32_gradients_owning_their_storage_advance():
     big = clt_k._ADVANCE_MIN_NUMEL
     memory = torch.zeros(big)

@@ -376,6 +376,8 @@ def test_count_sketch_hashes_are_computed_not_stored():
     huge_buckets, _ = huge.hashes(index)
     assert int(huge_buckets.min()) >= 0 and int(huge_buckets.max()) < 1000
     assert not torch.equal(huge_buckets[:, :2], huge_buckets[:, 2:4])
+    with pytest.raises(ValueError, match="at least 1 and fewer than 2\\*\\*60 coordinates, got 0"):
+        CountSketch(0, rows=2, columns=10)  # (nothing to sketch: sketch() could not shape its table)
 
 
 @pytest.mark.parametrize("make, error, argument", [

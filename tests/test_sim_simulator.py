@@ -109,6 +109,10 @@ def test_state_of_another_scheme_is_refused():
      lambda e: e.update(ahead=torch.zeros_like(e["ahead"])), "distinct"),
     (lambda: ScaleCom(ratio=0.1, min_numel=0, pipelined=True),
      lambda e: e.update(ahead=e["ahead"] + 1000), "distinct integers in"),
+    (lambda: QsparseLocalSGD(lr=0.1, local_steps=1, ratio=0.1), lambda e: e.update(local=e["local"].long()),
+     "local of '0.weight' must be a floating-point tensor"),
+    (lambda: ScaleCom(ratio=0.1, min_numel=0), lambda e: e.update(memory=e["memory"].int()),
+     "memory of '0.weight' must be a floating-point tensor"),
 ])
 def test_incomplete_or_misshaped_state_is_refused_before_anything_changes(scheme, change, text):
     """A state a step would fail on (a key missing, a wrong shape, indices that repeat or overflow,
@@ -119,12 +123,28 @@ def test_incomplete_or_misshaped_state_is_refused_before_anything_changes(scheme
     saved = sim.state_dict()
     change(saved["scheme"]["state"]["0.weight"])
     before = sim.state_dict()
-    with pytest.raises(ValueError, match=text):
+    with pytest.raises((ValueError, TypeError), match=text):
         sim.load_state_dict(saved)
     after = sim.state_dict()
     assert all(torch.equal(before["scheme"]["state"][n][k], v)
                for n, entry in after["scheme"]["state"].items() for k, v in entry.items())
     sim.step_stacked(stacked_grads(model, 4, 1))  # and it still steps
+
+
+def test_saved_state_is_kept_in_the_dtypes_the_scheme_makes():
+    """fp16 memories and x_last saved by another program come back in fp32, x_i in the parameter's
+    dtype: the next step computes as after a state of its own."""
+    model = mlp([6, 16, 3])
+    sim = Simulator(QsparseLocalSGD(lr=0.1, local_steps=2, ratio=0.1), 4, model.named_parameters())
+    sim.step_stacked(stacked_grads(model, 4, 0))
+    saved = sim.state_dict()
+    for entry in saved["scheme"]["state"].values():
+        entry.update({key: value.half() for key, value in entry.items()})
+    sim.load_state_dict(saved)
+    for entry in sim.state_dict()["scheme"]["state"].values():
+        assert {key: value.dtype for key, value in entry.items()} == {
+            key: torch.float32 for key in entry}  # (the model is fp32: x_i too)
+    sim.step_stacked(stacked_grads(model, 4, 1))
 
 
 def test_per_worker_gradients_refuse_batch_norm_in_training_mode():

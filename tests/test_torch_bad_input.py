@@ -88,3 +88,33 @@ def test_gradients_that_require_grad_leave_no_graph_in_the_memory(dtype):
         memory = compression._slots[0].memory
         assert memory.grad_fn is None and not memory.requires_grad and out.grad_fn is None
     assert compression.state_dict()["params"]["w"]["step"] == 3
+
+
+def posing_as_a_non_leader(compression, numel):
+    """``compression`` behaving as rank 1 of a large job (never the leader), handed ascending indices
+    as a leader's broadcast would bring them: the non-leader's own paths, in this process."""
+    k = compression.config.num_selected(numel)
+    compression._size_rank = lambda: (10**6, 10**6 - 1)
+    compression._post_receives = lambda t, rank, size: None
+    compression._wait = lambda slot, t, rank, size: torch.randperm(
+        numel, generator=torch.Generator().manual_seed(t))[:k].sort().values.to(torch.int32)
+
+
+@pytest.mark.parametrize("numel, non_leader", [(4096, False), (4096, True), ((1 << 19) + 5, True)])
+def test_a_gradient_changed_in_place_before_synchronize_is_an_error_on_every_path(numel, non_leader):
+    """Between compress (the gradient's hook) and decompress (synchronize()) a gradient is in flight:
+    from 2**19 entries a non-leader has written its new memory over it. A change then (e.g. clipping
+    before synchronize()) is refused on every path alike, the memory left as it was."""
+    param, compression = one_rank_scalecom(numel)
+    if non_leader:
+        posing_as_a_non_leader(compression, numel)
+    param.grad = torch.randn(numel)
+    values, ctx = compression.compress(param.grad)
+    compression.decompress(values, ctx)  # unchanged in between: fine
+    memory = compression._slots[0].memory.clone()
+    param.grad = torch.randn(numel)
+    values, ctx = compression.compress(param.grad)
+    torch.nn.utils.clip_grad_norm_([param], 1e-3)
+    with pytest.raises(RuntimeError, match="gradient of 'w' was changed in place between backward"):
+        compression.decompress(values, ctx)
+    assert torch.equal(compression._slots[0].memory, memory)

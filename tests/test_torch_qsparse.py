@@ -44,6 +44,10 @@ add_run("np2_reload", "qsparse_partial_reload", "torch_seed_qsparse.py",
         {"operator": "top_k", "local_steps": 2, "ratio": 0.05, "min_numel": 600, "steps": 6,
          "reload": {"save_at": 1, "load_at": 3, "rank": 1}},
         ["test_a_state_restored_on_one_rank_alone_is_an_error_on_every_rank"], fails=True)
+add_run("np2_reload_dense", "qsparse_partial_reload_dense", "torch_seed_qsparse.py",  # nothing compressed
+        {"operator": "top_k", "local_steps": 2, "ratio": 0.05, "min_numel": 10**6, "steps": 6,
+         "reload": {"save_at": 1, "load_at": 3, "rank": 1}},
+        ["test_a_state_restored_on_one_rank_alone_is_an_error_on_every_rank"], fails=True)
 
 ONE_RANK_SIGN = {"operator": "sign_top_k", "local_steps": 2, "ratio": 0.05, "min_numel": 0, "steps": 4}
 FLOAT64_TOP_K = {"operator": "top_k", "local_steps": 2, "ratio": 0.05, "min_numel": 600, "steps": 4,
@@ -226,10 +230,12 @@ def test_ranks_starting_from_different_models_all_raise(request, tmp_path_factor
 
 
 
-def test_a_state_restored_on_one_rank_alone_is_an_error_on_every_rank(request, tmp_path_factory):
+@pytest.mark.parametrize("job", ["np2_reload", "np2_reload_dense"])
+def test_a_state_restored_on_one_rank_alone_is_an_error_on_every_rank(job, request, tmp_path_factory):
     """Rank 1 alone goes back two steps: at the next synchronisation every rank sees the other's step
-    in the payload's header and raises (no rank waits in a collective the other never posts)."""
-    job = shared_job("np2_reload", request, tmp_path_factory)
+    in the payload's header and raises (no rank waits in a collective the other never posts); also
+    where no tensor is compressed (``np2_reload_dense``: the header then travels alone)."""
+    job = shared_job(job, request, tmp_path_factory)
     assert isinstance(job["error"], HorovodRunError)
     by_rank = rank_sections(str(job["error"]))
     for rank in (0, 1):
@@ -348,8 +354,8 @@ def test_state_dict_round_trip_and_checks():
     mine = state["qsparse_local_sgd"]
     mine["step"] = 6
     for name, p in model.named_parameters():
-        mine["params"][name] = {"shared": torch.full((p.numel(),), 0.5),
-                                "memory": torch.full((p.numel(),), 0.25)}
+        mine["params"][name] = {"shared": torch.full((p.numel(),), 0.5, dtype=torch.float64),  # kept in fp32,
+                                "memory": torch.full((p.numel(),), 0.25, dtype=torch.float16)}  # as made
     bad = {**state, "qsparse_local_sgd": {**mine, "params": dict(mine["params"])}}
     bad["qsparse_local_sgd"]["params"]["1.bias"] = {"shared": torch.zeros(3), "memory": None}
     with pytest.raises(ValueError, match="1.bias"):
@@ -366,5 +372,5 @@ def test_state_dict_round_trip_and_checks():
     wrapped.load_state_dict(state)
     restored = wrapped.state_dict()["qsparse_local_sgd"]
     assert restored["step"] == 6
-    assert torch.equal(restored["params"]["0.weight"]["memory"], torch.full((1200,), 0.25))
+    assert torch.equal(restored["params"]["0.weight"]["memory"], torch.full((1200,), 0.25))  # (fp32)
     assert torch.equal(wrapped.shared_parameters()["1.weight"], torch.full((2, 30), 0.5))

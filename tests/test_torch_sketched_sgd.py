@@ -38,7 +38,7 @@ SEQUENCE = ("import json, runpy, sys\n"
             "for script, opts, out_dir in json.loads(sys.argv[1]):\n"
             "    sys.argv = [script, opts, out_dir]\n"
             "    runpy.run_path(script, run_name='__main__')\n")
-JOBS = {"np3": 3, "np2_first": 2, "np2_second": 2, "np2_reload": 2, "np1": 1}  # job: ranks; np2_second resumes np2_first's checkpoints
+JOBS = {"np3": 3, "np2_first": 2, "np2_second": 2, "np2_reload": 2, "np2_reload_dense": 2, "np1": 1}  # job: ranks; np2_second resumes np2_first's checkpoints
 _RUNS = {job: [] for job in JOBS}
 _DONE = {}
 
@@ -361,9 +361,9 @@ def test_load_state_dict_checks_before_changing_anything():
     assert set(good["params"]["0.weight"]) == {"step", "momentum", "error"}
     for name, p in model.named_parameters():
         good["params"][name]["step"] = 3
-        good["params"][name]["momentum"] = torch.full((p.numel(),), 0.5)
+        good["params"][name]["momentum"] = torch.full((p.numel(),), 0.5, dtype=torch.float16)  # kept in fp32
         if name.endswith("weight"):
-            good["params"][name]["error"] = torch.full((p.numel(),), 0.25)
+            good["params"][name]["error"] = torch.full((p.numel(),), 0.25, dtype=torch.float64)
     bad = {"config": good["config"], "params": {k: dict(v) for k, v in good["params"].items()}}
     bad["params"]["1.weight"]["error"] = torch.ones(5)  # 60 entries expected
     with pytest.raises(ValueError, match="1.weight"):
@@ -375,8 +375,8 @@ def test_load_state_dict_checks_before_changing_anything():
     restored = compression.state_dict()
     for name in good["params"]:
         assert restored["params"][name]["step"] == 3
-        assert torch.equal(restored["params"][name]["momentum"], good["params"][name]["momentum"])
-    assert torch.equal(restored["params"]["1.weight"]["error"], torch.full((60,), 0.25))
+        assert torch.equal(restored["params"][name]["momentum"], good["params"][name]["momentum"].float())
+    assert torch.equal(restored["params"]["1.weight"]["error"], torch.full((60,), 0.25))  # (fp32)
 
 
 def test_tensor_that_is_no_parameters_gradient():

@@ -176,9 +176,13 @@ class Scheme:
                 if value.shape != shapes[key]:
                     raise ValueError(f"state {key} of {spec.name!r} has shape {tuple(value.shape)}, "
                                      f"expected {tuple(shapes[key])}")
+                if self.state_dtype(spec, key) is not None and not value.dtype.is_floating_point:
+                    raise TypeError(f"state {key} of {spec.name!r} must be a floating-point tensor, "
+                                    f"got {value.dtype}")
                 self.check_state(spec, key, value)
-        state = {name: {k: v.detach().clone() for k, v in entry.items()}
-                 for name, entry in saved["state"].items()}
+        state = {spec.name: {k: v.detach().to(self.state_dtype(spec, k) or v.dtype, copy=True)
+                             for k, v in saved["state"][spec.name].items()}
+                 for spec in self.specs}
         self.load_extra_state(saved.get("extra", {}))  # may raise: before anything else changes
         self.state = state
 
@@ -191,6 +195,11 @@ class Scheme:
         """``{key: shape}`` of every state tensor this scheme may keep for ``spec``: by default its
         memories."""
         return {key: (self.n, spec.numel) for key in self.memory_keys()}
+
+    def state_dtype(self, spec, key):
+        """The dtype state ``key`` of ``spec`` is kept in (a saved one is cast to it), or None where
+        :meth:`check_state` alone checks it (e.g. indices): by default the memories' fp32 at least."""
+        return clt_k.memory_dtype(spec.dtype)
 
     def check_state(self, spec, key, value):
         """ValueError if ``value`` (of the right shape) cannot be state ``key`` of ``spec``."""

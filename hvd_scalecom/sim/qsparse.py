@@ -76,6 +76,9 @@ class QsparseLocalSGD(Scheme):
     def state_shapes(self, spec):
         return {**super().state_shapes(spec), "shared": (spec.numel,), "local": (self.n, spec.numel)}
 
+    def state_dtype(self, spec, key):
+        return spec.dtype if key == "local" else super().state_dtype(spec, key)  # x_i: the parameter's
+
     def worker_params(self):
         """Each worker's local model, ``(n, *shape)`` per parameter: where gradients must be taken."""
         return [self.state[s.name]["local"].view(self.n, *s.shape) for s in self.specs]

@@ -23,6 +23,8 @@ derived (which tensors are sketched, k, c, P k) by :class:`hvd_scalecom.baseline
 both shared with the Horovod compressor :class:`hvd_scalecom.torch.SketchedSGD`.
 """
 
+import functools
+
 import torch
 
 from hvd_scalecom.baseline_config import SketchedSGDConfig
@@ -141,8 +143,12 @@ class SketchedSGD(Scheme):
         u, v = extra.get("u"), extra.get("v")
         if not (u is None and v is None) and not (
                 isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor)
+                and u.dtype.is_floating_point and v.dtype.is_floating_point
                 and tuple(u.shape) == tuple(v.shape) == (self.n, self.numel)):
-            raise ValueError(f"SketchedSGD state u and v must both be None or tensors of shape ({self.n}, "
-                             f"{self.numel}), got {getattr(u, 'shape', u)!r} and {getattr(v, 'shape', v)!r}")
-        self._u = None if u is None else u.clone()
-        self._v = None if v is None else v.clone()
+            raise ValueError(f"SketchedSGD state u and v must both be None or floating-point tensors of shape "
+                             f"({self.n}, {self.numel}), got {getattr(u, 'shape', u)!r} "
+                             f"{getattr(u, 'dtype', '')} and {getattr(v, 'shape', v)!r} {getattr(v, 'dtype', '')}")
+        if u is not None:  # kept as the first step makes them: fp32 at least, as the gradients' dtype
+            dtype = memory_dtype(functools.reduce(torch.promote_types, [s.dtype for s in self.sketched], torch.float32))
+            u, v = u.to(dtype, copy=True), v.to(dtype, copy=True)
+        self._u, self._v = u, v

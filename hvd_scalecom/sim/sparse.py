@@ -114,6 +114,9 @@ class ScaleCom(_SharedIndices):
     def made_later(self):
         return (*super().made_later(), "ahead")
 
+    def state_dtype(self, spec, key):
+        return None if key == "ahead" else super().state_dtype(spec, key)
+
     def check_state(self, spec, key, value):
         if key == "ahead":  # the indices selected a step ahead (pipelined)
             check_next_indices(spec.name, (0, value), self.config.num_selected(spec.numel),

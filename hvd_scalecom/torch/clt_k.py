@@ -74,6 +74,8 @@ def select_top_k(p, k, selection="exact"):
     numel = p.numel()
     if selection not in ("exact", "threshold"):
         raise ValueError(f"selection must be 'exact' or 'threshold', got {selection!r}")
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
     if k >= numel:
         return torch.arange(numel, device=p.device)
     p = p.reshape(-1)
@@ -140,6 +142,8 @@ def select_and_take(memory, grad, k, selection="exact", scratch=None, index_dtyp
     :func:`take_checking`."""
     if index_dtype is not torch.int64 and index_dtype is not torch.int32:
         raise ValueError(f"index_dtype must be torch.int64 or torch.int32, got {index_dtype}")
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
     if index_dtype is torch.int32 and memory.numel() > config.INT32_INDEX_MAX_NUMEL:
         raise ValueError(f"index_dtype torch.int32 cannot index a tensor of {memory.numel()} entries "
                          f"(at most {config.INT32_INDEX_MAX_NUMEL}): use torch.int64")
@@ -526,6 +530,7 @@ def take_advancing_(memory, grad, indices, beta, marks=None):
     having written nothing, where an index repeats. Finish with :func:`filter_and_scatter_advanced`,
     given the same ``marks`` (a :class:`Marks` of the tensor's size, to keep I's bitmap in between;
     by default a shared one, rebuilt there)."""
+    _check_advancing(memory, grad)
     flat = grad if grad.ndim == 1 else grad.view(-1)
     indices = _marked_dtype(indices)
     marks = _mark(indices, flat.numel(), marks)
@@ -547,6 +552,7 @@ def filter_and_scatter_advanced(memory, grad, indices, reduced, taken, sent, bet
     gradient (flat) receives zeros with ``reduced`` at ``indices`` without being read (by streaming
     stores on large tensors). ``taken`` (from ``take_advancing_``), ``sent`` as for
     :func:`filter_and_scatter_`; ``marks`` as given to ``take_advancing_`` (None: I's bitmap is rebuilt)."""
+    _check_advancing(memory, grad)
     flat = grad if grad.ndim == 1 else grad.view(-1)
     indices = _marked_dtype(indices)
     reduced = _flat(reduced, flat.dtype).contiguous()
@@ -563,6 +569,20 @@ def filter_and_scatter_advanced(memory, grad, indices, reduced, taken, sent, bet
     if sent.dtype != taken.values.dtype:
         _keep_rounding_error_(new_memory, indices, taken.values, sent, beta)
     return memory, new_memory, True
+
+
+def _check_advancing(memory, grad):
+    """ValueError unless the C passes that trade buffers can take ``memory`` and ``grad``: loaded
+    kernels (:func:`hvd_scalecom.native.loaded`: the second call must finish what the first began)
+    and two contiguous fp32 CPU tensors of the same size (checked before any pointer reaches C)."""
+    if native.loaded() is None:
+        raise ValueError("take_advancing_ and filter_and_scatter_advanced need the C kernels (see may_advance)")
+    for name, t in (("memory", memory), ("grad", grad)):
+        if not (t.is_cpu and t.dtype is torch.float32 and t.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous fp32 CPU tensor here (see may_advance), got "
+                             f"{t.dtype} on {t.device}{'' if t.is_contiguous() else ', not contiguous'}")
+    if memory.numel() != grad.numel():
+        raise ValueError(f"memory has {memory.numel()} entries, grad {grad.numel()}: they must match")
 
 
 def _marked_dtype(indices):

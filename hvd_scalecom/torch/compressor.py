@@ -239,7 +239,8 @@ class ScaleCom(Compressor):
             t, index_bytes=k * self.config.index_itemsize(numel), value_bytes=k * values.element_size(),
             uncompressed_bytes=dense_bytes, index_wait_seconds=waited,
             compress_seconds=time.perf_counter() - start - waited)
-        return values, (slot, t, indices, tensor, taken, sending, advanced)
+        version = None if tensor.is_inference() else tensor._version  # (inference tensors have none)
+        return values, (slot, t, indices, tensor, taken, sending, advanced, version)
 
     def decompress(self, tensor, ctx):
         """The low-pass memory update (deferred to here, where the reduced values tell every rank
@@ -247,8 +248,15 @@ class ScaleCom(Compressor):
         if ctx is None:
             return tensor
         start = time.perf_counter()
-        slot, t, indices, grad, taken, sending, advanced = ctx
+        slot, t, indices, grad, taken, sending, advanced, version = ctx
         self._synchronize(sending, slot)  # long done: every rank received it before reducing
+        if version is not None and grad._version != version:
+            # Between its hook and synchronize() a gradient is in flight, as Horovod's own in-place
+            # allreduce has it; ScaleCom may have written the new memory over it (large CPU tensors).
+            raise RuntimeError(
+                f"the gradient of {slot.name!r} was changed in place between backward() and the "
+                f"optimizer's synchronize(): change gradients (clipping, unscaling) only after "
+                f"optimizer.synchronize(), then step inside optimizer.skip_synchronize()")
         sent = _as_dtype(taken.values, self._value_dtype or grad.dtype)  # as this rank sent them
         if advanced:  # the buffers trade places: the gradient's becomes the memory, and vice versa
             out, slot.memory, updated = clt_k.filter_and_scatter_advanced(

@@ -80,6 +80,11 @@ class QsparseLocalSGD(torch.optim.Optimizer):
             optimizer.zero_grad()
             loss_fn(model(x), y).backward()
             optimizer.step()            # every 8th step synchronises the model
+
+    To broadcast the local optimizer's state, call ``hvd.broadcast_optimizer_state(local, 0)`` on
+    the local optimizer, before wrapping it: given this wrapper while the local optimizer has no
+    state yet, Horovod calls ``step()`` to make some, and that would count as a local step here
+    (every later synchronisation then comes one step early).
     """
 
     def __init__(self, optimizer, named_parameters, local_steps=8, ratio=0.01, *, max_k=None,
@@ -227,13 +232,12 @@ class QsparseLocalSGD(torch.optim.Optimizer):
         self.optimizer.load_state_dict(inner)
         self._step = int(mine["step"])
         self._last_sync = mine.get("last_sync")
+        # x_last and the memories as the first step makes them: fp32 at least, on the parameter's device
         if have_shared == {True}:
-            self._shared = [params[n]["shared"].detach().reshape(-1).clone().to(p.device)
-                            for n, p in zip(self._names, self._params)]
+            self._shared = [_kept(params[n]["shared"], p).reshape(-1) for n, p in zip(self._names, self._params)]
         else:
             self._shared = None
-        self._memory = [None if params[n].get("memory") is None
-                        else params[n]["memory"].detach().reshape(1, -1).clone().to(p.device)
+        self._memory = [None if params[n].get("memory") is None else _kept(params[n]["memory"], p).reshape(1, -1)
                         for n, p in zip(self._names, self._params)]
         self._generator.set_state(mine["generator"])
 
@@ -304,25 +308,26 @@ class QsparseLocalSGD(torch.optim.Optimizer):
             chunks += [part.reshape(-1).contiguous().view(torch.uint8) for part in parts]
             layout.append((i, k, index_dtype, scale_dtype, code_dtype))
         sizes = {}
-        if layout:
-            payload = torch.cat(chunks)
-            handle = hvd.allgather_async(payload, name=PAYLOAD_NAME, **self._ps_kwargs())
-            waited = time.perf_counter()
-            gathered = hvd.synchronize(handle).view(n, payload.numel())
-            start += time.perf_counter() - waited
-            headers, at = _take(gathered, 0, 2, torch.int64)
-            _check_same_state(headers)
-            for i, k, index_dtype, scale_dtype, code_dtype in layout:
-                indices, at = _take(gathered, at, k, index_dtype)
-                scale = None
-                if scale_dtype is not None:
-                    scale, at = _take(gathered, at, 1, scale_dtype)
-                codes, at = _take(gathered, at, k, code_dtype)
-                c = decode(scale, codes, cfg.operator, cfg.levels, dtype=self._shared[i].dtype)
-                change = mean_of_sparse(indices, c, self._params[i].numel(), n)      # mean_i c_i
-                self._shared[i].add_(change)                                         # x_new
-                scale_bytes = 0 if scale_dtype is None else _itemsize(scale_dtype)
-                sizes[i] = (k * _itemsize(index_dtype), scale_bytes + k * _itemsize(code_dtype))
+        # The header travels even where no tensor is compressed (then alone): ranks at different steps
+        # or models must raise alike, never average silently.
+        payload = torch.cat(chunks)
+        handle = hvd.allgather_async(payload, name=PAYLOAD_NAME, **self._ps_kwargs())
+        waited = time.perf_counter()
+        gathered = hvd.synchronize(handle).view(n, payload.numel())
+        start += time.perf_counter() - waited
+        headers, at = _take(gathered, 0, 2, torch.int64)
+        _check_same_state(headers)
+        for i, k, index_dtype, scale_dtype, code_dtype in layout:
+            indices, at = _take(gathered, at, k, index_dtype)
+            scale = None
+            if scale_dtype is not None:
+                scale, at = _take(gathered, at, 1, scale_dtype)
+            codes, at = _take(gathered, at, k, code_dtype)
+            c = decode(scale, codes, cfg.operator, cfg.levels, dtype=self._shared[i].dtype)
+            change = mean_of_sparse(indices, c, self._params[i].numel(), n)          # mean_i c_i
+            self._shared[i].add_(change)                                             # x_new
+            scale_bytes = 0 if scale_dtype is None else _itemsize(scale_dtype)
+            sizes[i] = (k * _itemsize(index_dtype), scale_bytes + k * _itemsize(code_dtype))
         if dense_handle is not None:
             waited = time.perf_counter()
             means = hvd.synchronize(dense_handle)
@@ -345,6 +350,12 @@ class QsparseLocalSGD(torch.optim.Optimizer):
 
 
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _kept(saved, param):
+    """A saved tensor of ``param``'s state as this wrapper keeps it: a copy in the memory dtype (fp32 at
+    least) on the parameter's device."""
+    return saved.detach().to(device=param.device, dtype=clt_k.memory_dtype(param.dtype), copy=True)
 
 
 def _checksum(tensors):

@@ -77,8 +77,9 @@ class CountSketch:
             raise ValueError(f"a count sketch needs rows >= 1 and columns >= 1, got {rows} x {columns}")
         if columns >= MAX_COLUMNS:
             raise ValueError(f"a count sketch has fewer than 2**31 columns, got {columns}")
-        if not 0 <= numel < MAX_NUMEL:
-            raise ValueError(f"a count sketch hashes fewer than 2**{2 * LIMB_BITS} coordinates, got {numel}")
+        if not 1 <= numel < MAX_NUMEL:
+            raise ValueError(f"a count sketch hashes at least 1 and fewer than 2**{2 * LIMB_BITS} coordinates, "
+                             f"got {numel}")
         generator = torch.Generator().manual_seed(int(seed))
         self.numel, self.rows, self.columns = int(numel), int(rows), int(columns)
         multipliers = torch.randint(1, PRIME, (rows, 2), generator=generator, dtype=torch.int64)

@@ -31,6 +31,7 @@ scales the applied update (the paper's ``v <- v + lr u`` with a constant learnin
 :meth:`SketchedSGD.check_optimizer` raises if it is not.
 """
 
+import functools
 import time
 import warnings
 
@@ -259,14 +260,17 @@ class SketchedSGD(Compressor):
             if i in self._offset and (entry.get("momentum") is None) != (entry.get("error") is None):
                 raise ValueError(f"state of {name!r} has momentum or error but not both")
         self._steps = [int(params[name]["step"]) for name in self._names]
-        self._dense_u = {i: params[n]["momentum"].detach().reshape(-1).clone().to(self._params[i].device)
+        # every tensor as the first step makes it: fp32 at least, on the parameter's device
+        self._dense_u = {i: params[n]["momentum"].detach().reshape(-1).to(
+                             self._params[i].device, clt_k.memory_dtype(self._params[i].dtype), copy=True)
                          for i, n in enumerate(self._names)
                          if i not in self._offset and params[n].get("momentum") is not None}
         if self._sketched and all(sketched_state):
             device = self._params[self._sketched[0]].device
             sketched = [params[self._names[i]] for i in self._sketched]
-            self._u = torch.cat([e["momentum"].reshape(-1) for e in sketched]).to(device)
-            self._v = torch.cat([e["error"].reshape(-1) for e in sketched]).to(device)
+            dtype = self._sketched_dtype()
+            self._u = torch.cat([e["momentum"].reshape(-1).to(dtype) for e in sketched]).to(device)
+            self._v = torch.cat([e["error"].reshape(-1).to(dtype) for e in sketched]).to(device)
         else:
             self._u = self._v = None
         self._round = None
@@ -305,9 +309,13 @@ class SketchedSGD(Compressor):
                                            device=tensor.device)
         return self._dense_u[i]
 
+    def _sketched_dtype(self):
+        """The sketched vector's dtype: fp32, or wider where a sketched parameter is (float64)."""
+        return functools.reduce(torch.promote_types, [self._params[i].dtype for i in self._sketched], torch.float32)
+
     def _buffers(self, tensor):
         if self._u is None:
-            self._u = torch.zeros(self.numel, dtype=clt_k.memory_dtype(tensor.dtype), device=tensor.device)
+            self._u = torch.zeros(self.numel, dtype=self._sketched_dtype(), device=tensor.device)
             self._v = torch.zeros_like(self._u)
 
     def _round_for(self, i, t):
