@@ -70,8 +70,10 @@ def test_simulator_reproduces_horovodrun(horovod_job, case):
     # Open loop: the job's raw gradients through the simulator give the job's applied gradients.
     model = Net()
     sim = Simulator(scheme_for(opts), SIZE, model.named_parameters())
+    index_bytes = 0  # over all steps: pipelined, the first compressed step exchanges its indices and the next's
     for t in range(STEPS):
         step = sim.step([[torch.from_numpy(r[f"raw/{t}/{n}"]) for n in NAMES] for r in results])
+        index_bytes += step.traffic.step_traffic().index_bytes
         for n, update in zip(NAMES, step.update):
             for rank, r in enumerate(results):
                 np.testing.assert_allclose(update.numpy(), r[f"applied/{t}/{n}"], rtol=rtol, atol=atol,
@@ -84,6 +86,7 @@ def test_simulator_reproduces_horovodrun(horovod_job, case):
         assert getattr(payload, field) == stats[field], field
     k_hidden, k_out = 154, 32  # ceil(0.05 * 3072), ceil(0.05 * 640)
     assert payload.index_bytes == (4 if opts["index_dtype"] == "int32" else 8) * (k_hidden + k_out)
+    assert stats["total"]["index_bytes"] == index_bytes
 
     # Closed loop: the simulator trains the same model from the same seed on the same data.
     params = closed_loop(scheme_for(opts), check_against=results, rtol=rtol, atol=atol)

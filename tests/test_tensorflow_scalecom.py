@@ -216,6 +216,10 @@ def test_pipelined_matches_reference(horovod_job):
     for r in results:
         assert bool(r["state_round_trip"]) and int(r["next_step/hidden.weight"]) == 6
         np.testing.assert_array_equal(np.sort(r["next_indices/hidden.weight"]), expected)
+    # Index bytes: each compressed step shares the next one's indices, the first (step 1) its own too.
+    stats = json.loads(str(results[0]["stats"]))
+    assert stats["step"] == 5 and stats["index_bytes"] == 4 * (154 + 32)
+    assert stats["total"]["index_bytes"] == 4 * (154 + 32) * (5 + 1)
 
 
 def test_a_summing_tape_sums_in_warm_up_and_compressed_steps(horovod_job):
@@ -241,6 +245,76 @@ def test_huge_finite_gradients_are_sent_not_taken_for_non_finite(tmp_path):
             "import json; print('VALUES', json.dumps(sorted(values.numpy().tolist())))\n")
     line, = one_rank(code, "VALUES ")
     assert json.loads(line[len("VALUES "):]) == pytest.approx([60.0, 3e38, 3e38, 3e38], rel=1e-6)
+
+
+def test_an_embedding_gradient_densified_outside_tf_function_is_matched_to_its_variable():
+    """Eagerly, Horovod traces its reduction in a tf.function of its own, where a densified embedding
+    gradient (sparse_as_dense=True) has shape (None, 16): compatible with the variable's (500, 16),
+    so it is its gradient (made (500, 16) again), as in a tf.function step."""
+    code = ("import numpy as np, tensorflow as tf, horovod.tensorflow as hvd\n"
+            "from hvd_scalecom.tensorflow import ScaleCom\n"
+            "hvd.init()\n"
+            "emb = tf.Variable(tf.random.normal([500, 16], seed=1))\n"
+            "compression = ScaleCom([emb], ratio=0.05, min_numel=100)\n"
+            "def step(ids):\n"
+            "    with tf.GradientTape() as tape:\n"
+            "        loss = tf.reduce_sum(tf.gather(emb, ids) ** 2)\n"
+            "    tape = hvd.DistributedGradientTape(tape, compression=compression, sparse_as_dense=True)\n"
+            "    return tape.gradient(loss, [emb])[0]\n"
+            "for label, run in (('EAGER', step), ('FUNCTION', tf.function(step))):\n"
+            "    g = run(tf.constant([1, 2, 3]))\n"
+            "    expected = np.zeros((500, 16), np.float32)\n"
+            "    expected[[1, 2, 3]] = 2 * emb.numpy()[[1, 2, 3]]  # k = 400 >= the 48 non-zero entries\n"
+            "    print(label, g.shape == (500, 16) and bool(np.allclose(g.numpy(), expected)))\n"
+            "    emb.assign_add(tf.ones_like(emb))\n")
+    assert one_rank(code, "EAGER ", "FUNCTION ") == ["EAGER True", "FUNCTION True"]
+
+
+def test_a_checkpoint_restore_rolls_the_statistics_back_with_the_steps():
+    """tf.train.Checkpoint saves the tallies behind stats() with the step counters: after going back
+    to step 3 of 8, stats() covers steps 0-2 (one warm-up, two compressed), as before step 3."""
+    code = ("import json, numpy as np, tensorflow as tf, horovod.tensorflow as hvd\n"
+            "from hvd_scalecom.tensorflow import ScaleCom\n"
+            "hvd.init()\n"
+            "compression = ScaleCom([tf.Variable(tf.zeros([2000]))], ratio=0.05, min_numel=100,\n"
+            "                       warmup_steps=1)\n"
+            "def step(t):\n"
+            "    grad = tf.constant(np.random.default_rng(t).standard_normal(2000), tf.float32)\n"
+            "    compression.decompress(*compression.compress(grad))\n"
+            "checkpoint = tf.train.Checkpoint(compression=compression)\n"
+            "for t in range(3): step(t)\n"
+            "before = compression.stats()\n"
+            "path = checkpoint.write(__import__('tempfile').mkdtemp() + '/ckpt')\n"
+            "for t in range(3, 8): step(t)\n"
+            "checkpoint.read(path).assert_consumed()\n"
+            "after = compression.stats()\n"
+            "print('SAME', json.dumps(before == after), after['step'], after['total']['uncompressed_bytes'])\n")
+    assert one_rank(code, "SAME ") == ["SAME true 2 24000"]
+
+
+def test_a_keras_model_with_the_distributed_optimizer_saves_and_loads_as_documented(tmp_path):
+    """model.save works; load_model(compile=False) gives the same weights, and the model trains
+    again once compiled with a new DistributedOptimizer."""
+    path = tmp_path / "model.keras"
+    code = ("import numpy as np, tensorflow as tf, keras, horovod.tensorflow as hvd\n"
+            "from hvd_scalecom.tensorflow import ScaleCom, keras as hsk\n"
+            "hvd.init()\n"
+            "x, y = np.random.default_rng(0).random((32, 8), np.float32), np.arange(32) % 4\n"
+            "def compiled(model):\n"
+            "    compression = ScaleCom(model.trainable_variables, ratio=0.1, min_numel=16)\n"
+            "    model.compile(optimizer=hsk.DistributedOptimizer(keras.optimizers.SGD(0.1), compression),\n"
+            "                  loss='sparse_categorical_crossentropy', jit_compile=False)\n"
+            "    return model\n"
+            "model = compiled(keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(4)]))\n"
+            "model.fit(x, y, batch_size=16, epochs=1, verbose=0)\n"
+            f"model.save({str(path)!r})\n"
+            f"loaded = keras.models.load_model({str(path)!r}, compile=False)\n"
+            "same = all(np.array_equal(a, b) for a, b in zip(model.get_weights(), loaded.get_weights()))\n"
+            "before = loaded.get_weights()\n"
+            "compiled(loaded).fit(x, y, batch_size=16, epochs=1, verbose=0)\n"
+            "moved = all(not np.array_equal(a, b) for a, b in zip(before, loaded.get_weights()))\n"
+            "print('LOADED', same, moved)\n")
+    assert one_rank(code, "LOADED ") == ["LOADED True True"]
 
 
 def one_rank(code, *prefixes):
@@ -509,6 +583,7 @@ AGREEMENT_CASES = {
     2: [{"label": "ratio", "per_rank": {"1": {"ratio": 0.1}}},
         {"label": "shapes", "per_rank": {"1": {"hidden": 65}}},
         {"label": "beta", "per_rank": {"0": {"beta": 0.25}}, "eager": True},
+        {"label": "prefix", "per_rank": {"0": {"extra_scalecom": True}}},  # one more ScaleCom built
         {"label": "agree", "steps": 2}],
     3: [{"label": "beta", "per_rank": {"2": {"beta": 0.25}}},
         {"label": "shapes", "per_rank": {"0": {"hidden": 65}}, "eager": True},
@@ -517,13 +592,14 @@ AGREEMENT_CASES = {
 }
 EXPECTED_DIFFERENCE = {"ratio": {2: "ratio", 3: "index_exchange, ratio"},
                        "beta": {2: "beta", 3: "beta"},
-                       "shapes": {2: "variable_digest", 3: "variable_digest"}}
+                       "shapes": {2: "variable_digest", 3: "variable_digest"},
+                       "prefix": {2: "collective_prefix"}}
 
 
 @pytest.mark.parametrize("size", [2, 3])
 def test_ranks_that_disagree_all_get_one_clear_error(horovod_job, size):
-    """Differing ratio, beta, index exchange or variable shapes (a tf.function step and an eager
-    one): every rank raises the same ValueError at the first step; agreeing ranks train on."""
+    """Differing ratio, beta, index exchange, variable shapes or ScaleCom objects built before (a
+    tf.function step and an eager one): every rank raises the same ValueError at the first step; agreeing ranks train on."""
     cases = AGREEMENT_CASES[size]
     results, _ = horovod_job("tf_agreement.py", {"cases": cases}, np=size)
     assert len(results) == size
@@ -540,10 +616,13 @@ def test_ranks_that_disagree_all_get_one_clear_error(horovod_job, size):
             message
         for rank, overrides in case["per_rank"].items():
             for key, value in overrides.items():
-                if key != "hidden":
+                if key not in ("hidden", "extra_scalecom"):
                     assert f"rank {rank}: " in message and f"{key}={value!r}" in message, message
         if label == "shapes":
             assert "covers the number, order, shapes and dtypes" in message
+        elif label == "prefix":  # (the ranks would otherwise wait for collectives of different names)
+            assert "build the same ScaleCom objects, in the same order, on every rank" in message
+            assert "variable_digest" not in message
         else:
             assert "variable_digest" not in message
     # The agreeing case trains, and its updates are the reference's.

@@ -132,15 +132,17 @@ class ScaleCom(_SharedIndices):
             indices = entry.pop("ahead")
         else:
             indices = self.leader_top_k(M, G, leader, k)                         # I = top_k |p_j|
+            record.add("broadcast", "index", spec.name, k, self.index_dtype(numel), root=leader)
         if self.config.pipelined and self.config.is_compressed(numel, t + 1):
-            entry["ahead"] = self.leader_top_k(M, G, self.config.leader_rank(t + 1, n, spec.index), k)
+            ahead_leader = self.config.leader_rank(t + 1, n, spec.index)
+            entry["ahead"] = self.leader_top_k(M, G, ahead_leader, k)            # step t + 1's, shared now
+            record.add("broadcast", "index", spec.name, k, self.index_dtype(numel), root=ahead_leader)
         if self.diagnose:
             P = clt_k.error_compensated(M.view(-1), G).view(n, numel)
             true = clt_k.select_top_k(P.mean(dim=0), k, "exact")
             hit = torch.zeros(numel, dtype=torch.bool, device=G.device)
             hit[true] = True
             _add_overlap(diagnostics, spec.name, int(hit[indices].sum()), k)
-        record.add("broadcast", "index", spec.name, k, self.index_dtype(numel), root=leader)
         record.add("allreduce", "value", spec.name, k, dtype_name(self.sent_dtype(G)))
         return self.filtered_update(spec, G, indices)
 

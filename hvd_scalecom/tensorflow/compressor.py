@@ -77,6 +77,7 @@ class _Slot:
         self.timing = None  # [TIMING_STEPS + 1, 2] seconds (compute, index wait); last row: totals
         self.next_indices = None  # pipelined: the indices selected for step ahead_step
         self.ahead_step = None  # pipelined: the step next_indices are for (-1: none), int64
+        self.fresh = None  # pipelined: [fresh index exchanges, the step of the last one (-1: none)]
 
 
 # Horovod's TensorFlow allreduce has no bfloat16 kernel: values travel in the gradient's dtype or these.
@@ -157,6 +158,8 @@ class ScaleCom(tf.Module, Compressor):
                         name=f"next_indices_{index}")
                     slot.ahead_step = tf.Variable(-1, dtype=tf.int64, trainable=False,
                                                   name=f"ahead_step_{index}")
+                    # fresh exchanges (first compressed step, or none waiting): count, and the last one
+                    slot.fresh = tf.Variable([0, -1], dtype=tf.int64, trainable=False, name=f"fresh_{index}")
             slot.step = tf.Variable(0, dtype=tf.int64, trainable=False, name=f"step_{index}")
             slot.tally = tf.Variable([0, 0], dtype=tf.int64, trainable=False, name=f"tally_{index}")
             slot.nonfinite = tf.Variable(0, dtype=tf.int64, trainable=False, name=f"nonfinite_{index}")
@@ -165,11 +168,14 @@ class ScaleCom(tf.Module, Compressor):
             slots.append(slot)
         self._slots = tuple(slots)
         self._by_name = {s.name: s for s in slots}
-        # What tf.train.Checkpoint saves: memories of compressible variables, every step counter.
+        # What tf.train.Checkpoint saves: memories of compressible variables, every step counter, the
+        # statistics' tallies (a restore then rolls them back with the steps).
         self.memories = [s.memory for s in slots if s.compressible]
         self.steps = [s.step for s in slots]
+        self.statistics = [v for s in slots for v in (s.tally, s.nonfinite, s.timing)]
         if config.pipelined:  # and the indices already chosen for the next step
             self.pipeline = [v for s in slots if s.compressible for v in (s.next_indices, s.ahead_step)]
+            self.statistics += [s.fresh for s in slots if s.compressible]
         self._cursor_graph = None  # (weak reference to) the graph the last gradient was traced in
         self._cursor = 0
         self._agreed = False  # configurations compared across ranks (at the first compress)
@@ -186,6 +192,8 @@ class ScaleCom(tf.Module, Compressor):
                 raise TypeError("ScaleCom compresses dense gradients: pass sparse_as_dense=True to "
                                 "hvd.DistributedGradientTape for embedding-like variables")
             slot = self._slot_of(tensor)
+            if not tensor.shape.is_fully_defined():
+                tensor = tf.ensure_shape(tensor, slot.shape)
         finally:  # a rank whose variables differ learns it with all the others, not alone
             if not self._agreed:
                 self._check_agreement()
@@ -294,12 +302,16 @@ class ScaleCom(tf.Module, Compressor):
         """The indices of step ``t`` on every rank, and when this rank started waiting for them:
         those selected a step ago when pipelined and there, else the leader's fresh top-k."""
 
-        def fresh():
+        def exchange():
             return self._exchange_indices(slot, tensor, leader, rank, size, index_dtype, start,
                                           f"{self._prefix}_indices_{slot.index}")
 
         if not self.config.pipelined:
-            return fresh()
+            return exchange()
+
+        def fresh():  # counted: this step also shares the next one's indices (two exchanges)
+            with tf.control_dependencies([slot.fresh.assign(tf.stack([slot.fresh[0] + 1, t]))]):
+                return exchange()
 
         def waiting():
             indices = slot.next_indices.read_value()
@@ -398,7 +410,8 @@ class ScaleCom(tf.Module, Compressor):
             raise TypeError(f"ScaleCom compresses floating-point gradients; the gradient of "
                             f"{slot.name!r} is {tensor.dtype.name}")
         shape = tuple(tensor.shape) if tensor.shape.rank is not None else None
-        if shape != slot.shape:
+        if not tensor.shape.is_compatible_with(slot.shape):  # (e.g. a densified embedding gradient traced
+            # by Horovod's own tf.function has shape (None, dim): compatible, made static in compress)
             raise ValueError(
                 f"ScaleCom was built for {len(self._slots)} variables and matches gradients to them "
                 f"by position: gradient #{self._cursor} of this gradient() call has shape {shape}, "
@@ -421,7 +434,7 @@ class ScaleCom(tf.Module, Compressor):
             return  # compress() called outside a Horovod job (nothing to agree with)
         self._agreed = True
         summary = {**self.config.as_dict(), "index_exchange": self.index_exchange, "op": int(self.op),
-                   "variables": len(self._slots),
+                   "variables": len(self._slots), "collective_prefix": self._prefix,
                    "variable_digest": agreement.digest([[s.dtype.name, list(s.shape)]
                                                         for s in self._slots])}
         with tf.init_scope():
@@ -433,6 +446,8 @@ class ScaleCom(tf.Module, Compressor):
                                      process_set=self._process_set)
             chunks = np.split(gathered.numpy(), np.cumsum(sizes.numpy())[:-1])
         agreement.check_gathered("ScaleCom", [c.tobytes() for c in chunks], {
+            "collective_prefix": "(the n-th ScaleCom a process builds names its collectives scalecom<n>: "
+                                 "build the same ScaleCom objects, in the same order, on every rank.)",
             "variable_digest": "(variable_digest covers the number, order, shapes and dtypes of the "
                                "variables ScaleCom was built with.)"})
 
@@ -468,8 +483,11 @@ class ScaleCom(tf.Module, Compressor):
             dense_steps, compressed_steps = (int(x) for x in slot.tally.numpy())
             timing = slot.timing.numpy()
             first = reduced_through - dense_steps - compressed_steps
+            fresh_count, last_fresh = (int(x) for x in slot.fresh.numpy()) if slot.fresh is not None else (0, -1)
             if first <= step < reduced_through:
                 this_step.add(self._step_traffic(slot, step))
+                if step == last_fresh:  # pipelined: its own indices and the next step's
+                    this_step.index_bytes += slot.k * self.config.index_itemsize(slot.numel)
                 if step >= reduced_through - TIMING_STEPS:
                     compute, wait = timing[step % TIMING_STEPS]
                     this_step.compress_seconds += float(compute)
@@ -478,6 +496,7 @@ class ScaleCom(tf.Module, Compressor):
                 total.add(_scaled(self._step_traffic(slot, None, dense=True), dense_steps))
             if compressed_steps:
                 total.add(_scaled(self._step_traffic(slot, None, dense=False), compressed_steps))
+                total.index_bytes += fresh_count * slot.k * self.config.index_itemsize(slot.numel)
             total.compress_seconds += float(timing[TIMING_STEPS, 0])
             total.index_wait_seconds += float(timing[TIMING_STEPS, 1])
         out = this_step.as_dict()
@@ -541,6 +560,8 @@ class ScaleCom(tf.Module, Compressor):
             slot.step.assign(int(entry["step"]))
             slot.tally.assign([0, 0])
             slot.timing.assign(tf.zeros_like(slot.timing))
+            if slot.fresh is not None:
+                slot.fresh.assign([0, -1])
             if slot.memory is not None:
                 memory = memories[name]
                 slot.memory.assign(np.zeros(slot.numel, slot.memory.dtype.as_numpy_dtype) if memory is None

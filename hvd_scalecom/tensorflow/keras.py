@@ -114,6 +114,10 @@ def DistributedOptimizer(optimizer, compression=None, *, sparse_as_dense=None,
     ScaleCom's; ``sparse_as_dense`` defaults to True with ScaleCom (else False). XLA (``jit_compile``) and
     ``steps_per_execution > 1`` are not supported: Horovod's ops have no XLA kernels, and ScaleCom's
     state updates are not meant to run inside a ``tf.while_loop``.
+
+    A model compiled with it saves (``model.save``), but Keras cannot rebuild this optimizer's class
+    from the file: load with ``keras.models.load_model(path, compile=False)`` and compile again with
+    a new ``DistributedOptimizer`` (ScaleCom's own state: ``tf.train.Checkpoint`` or ``state_dict``).
     """
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"optimizer must be a keras.optimizers.Optimizer, got {type(optimizer).__name__}")

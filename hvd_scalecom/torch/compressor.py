@@ -84,7 +84,7 @@ class _Slot:
     """Everything ScaleCom keeps for one parameter."""
 
     __slots__ = ("index", "name", "param", "memory", "step", "posted", "expected", "excluded", "scale",
-                 "marks")
+                 "marks", "ahead_for")
 
     def __init__(self, index, name, param):
         self.index = index
@@ -97,6 +97,7 @@ class _Slot:
         self.excluded = False  # seen not to be reduced through compress(): never posted ahead
         self.scale = None  # the loss scale the memory is expressed in (with a loss_scaler)
         self.marks = None  # I as a bitmap from compress to decompress, where the buffers are traded
+        self.ahead_for = None  # pipelined: the step whose indices were selected (or restored) ahead
 
 
 class ScaleCom(Compressor):
@@ -218,8 +219,10 @@ class ScaleCom(Compressor):
         else:
             indices = self._wait(slot, t, rank, size)
         waited = time.perf_counter() - wait_from
+        exchanges = 0 if self.config.pipelined and slot.ahead_for == t else 1  # this step's indices
         if self.config.pipelined and self.config.is_compressed(numel, t + 1):
             self._select_ahead(slot, tensor, t + 1, rank, size)
+            exchanges += 1  # and the next step's
         advanced = False  # the gradient's buffer now holds the memory to adopt if the step is finite
         if taken is None and may_advance and clt_k.may_advance(slot.memory, tensor):
             if slot.marks is None:
@@ -236,7 +239,7 @@ class ScaleCom(Compressor):
             # rank sees a non-finite reduction and skips this tensor's memory update (see decompress).
             values = torch.full_like(values, float("nan"))
         self.traffic.record(
-            t, index_bytes=k * self.config.index_itemsize(numel), value_bytes=k * values.element_size(),
+            t, index_bytes=exchanges * k * self.config.index_itemsize(numel), value_bytes=k * values.element_size(),
             uncompressed_bytes=dense_bytes, index_wait_seconds=waited,
             compress_seconds=time.perf_counter() - start - waited)
         version = None if tensor.is_inference() else tensor._version  # (inference tensors have none)
@@ -339,7 +342,7 @@ class ScaleCom(Compressor):
             slot.memory, slot.scale, ahead = restored[name]
             slot.step = int(entry["step"])
             slot.posted = None if ahead is None else (ahead[0], None, ahead[1])
-            slot.expected = None if ahead is None else ahead[0]
+            slot.expected = slot.ahead_for = None if ahead is None else ahead[0]
             slot.excluded = False
         self._lookup.reset()
         self._posted_through = -1
@@ -471,7 +474,7 @@ class ScaleCom(Compressor):
         else:
             buffer = self._index_buffer(slot)
         slot.posted = (t, self._broadcast_async(slot, buffer, leader), buffer)
-        slot.expected = t
+        slot.expected = slot.ahead_for = t
 
     def _wait(self, slot, t, rank, size):
         if slot.posted is None or slot.posted[0] != t:

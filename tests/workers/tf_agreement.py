@@ -1,7 +1,7 @@
 """One rank of a job where ranks may build ScaleCom (TF) differently, case after case.
 
 argv: JSON options, output directory. ``opts["cases"]``: a list of ``{"label", "per_rank": {rank:
-{ScaleCom argument overrides, or "hidden": width}}, "eager": bool, "steps": n}``. Each case builds
+{ScaleCom argument overrides, "hidden": width, or "extra_scalecom": True}}, "eager": bool, "steps": n}``. Each case builds
 new variables and a new ScaleCom and trains ``steps`` steps through ``hvd.DistributedGradientTape``
 (a tf.function step unless ``eager``). Writes ``rank<R>.npz`` with ``<label>/error`` (the ValueError
 text, empty when the case trained) and, per step t and variable name, ``<label>/raw/<t>/<name>``
@@ -32,6 +32,12 @@ def run_case(index, case, record):
     label = case["label"]
     args = {**DEFAULTS, **case.get("per_rank", {}).get(str(rank), {})}
     hidden = args.pop("hidden", 64)
+    # "extra_scalecom": this rank builds one more ScaleCom first, which renames its collectives
+    # (scalecom<n>); the other ranks build theirs after the case, so that later cases agree again.
+    extra = args.pop("extra_scalecom", False)
+    extra_elsewhere = any(o.get("extra_scalecom") for o in case.get("per_rank", {}).values()) and not extra
+    if extra:
+        ScaleCom([tf.Variable(tf.zeros([10]))], min_numel=1)
     gen = np.random.RandomState(index)  # the same initial weights on ranks of the same shapes
     weights = [tf.Variable(0.2 * gen.randn(*s).astype(np.float32))
                for s in [(48, hidden), (hidden,), (hidden, 10), (10,)]]
@@ -60,6 +66,8 @@ def run_case(index, case, record):
         record[f"{label}/error"] = np.array("")
     except ValueError as error:
         record[f"{label}/error"] = np.array(str(error))
+    if extra_elsewhere:
+        ScaleCom([tf.Variable(tf.zeros([10]))], min_numel=1)
 
 
 record = {}
