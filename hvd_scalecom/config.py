@@ -163,7 +163,6 @@ def check_dtype_name(name, argument, allowed):
     return text
 
 
-@functools.lru_cache(maxsize=64)
 def _as_printed(x):
     """``x`` as the Python float of the decimal it prints as: ``np.float32(0.1)`` prints as 0.1 and
     gives 0.1, not its binary value 0.10000000149011612 (``float(x)`` where ``str`` names no decimal,
@@ -174,6 +173,7 @@ def _as_printed(x):
         return float(x)
 
 
+@functools.lru_cache(maxsize=64)
 def _decimal(ratio):
     """``ratio`` as the fraction its shortest decimal form names (``repr``): 0.07 is 7/100 exactly."""
     return fractions.Fraction(repr(ratio))
