@@ -21,6 +21,14 @@ import horovod.torch as hvd
 from hvd_scalecom.torch import ScaleCom, log_stats
 
 
+def positive_int(text):
+    """argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--compression", choices=["scalecom", "dense", "fp16"], default="scalecom")
@@ -33,8 +41,9 @@ def parse_args(argv=None):
     ap.add_argument("--value-dtype", choices=["float32", "float16"], default=None)
     ap.add_argument("--index-dtype", choices=["int32", "int64"], default="int32")
     ap.add_argument("--pipelined", action="store_true", help="indices selected one step ahead")
-    ap.add_argument("--epochs", type=int, default=25)
-    ap.add_argument("--batch-size", type=int, default=32, help="per worker")
+    ap.add_argument("--epochs", type=positive_int, default=25)
+    ap.add_argument("--batch-size", type=positive_int, default=32,
+                    help="per worker, at most its shard of the 1,437 training images")
     ap.add_argument("--lr", type=float, default=0.05, help="per worker (see --lr-scaling)")
     ap.add_argument("--lr-scaling", choices=["linear", "sqrt"], default="linear",
                     help="learning rate = lr x workers (linear) or lr x sqrt(workers)")
@@ -75,6 +84,13 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     x_train, y_train, x_test, y_test = digits_split()
     shard_x, shard_y = x_train[rank::size], y_train[rank::size]
+    smallest_shard = len(x_train) // size  # (shards differ by up to one image)
+    if args.batch_size > smallest_shard:
+        raise SystemExit(f"--batch-size {args.batch_size} is larger than the smallest worker's shard of "
+                         f"{smallest_shard} training images at {size} workers")
+    if size == 1 and args.compression != "dense" and rank == 0:
+        print("note: with one process Horovod reduces nothing, so no gradient is compressed "
+              "(run under horovodrun -np 2 or more)", flush=True)
     model = make_model()
 
     if args.compression == "scalecom":
@@ -96,7 +112,7 @@ def main(argv=None):
 
     dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     sent_by_dtype = {"fp16": dense_bytes // 2}.get(args.compression, dense_bytes)
-    steps_per_epoch = len(shard_x) // args.batch_size
+    steps_per_epoch = smallest_shard // args.batch_size  # the same on every rank (collectives pair up)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
@@ -111,6 +127,9 @@ def main(argv=None):
     if args.resume:
         first_epoch, global_step = load_checkpoint(args.checkpoint, rank, model, optimizer,
                                                    compression, gen)
+        if first_epoch >= args.epochs:
+            raise SystemExit(f"--epochs {args.epochs}: the checkpoint in {args.checkpoint} has trained "
+                             f"{first_epoch} epochs already; ask for more to resume")
     for epoch in range(first_epoch, args.epochs):
         model.train()
         order = torch.randperm(len(shard_x), generator=gen)
@@ -133,7 +152,8 @@ def main(argv=None):
         accuracy = evaluate(model, x_test, y_test)
         if args.compression == "scalecom":
             last, total = compression.stats(), compression.stats()["total"]
-            sent, reduction = last["sent_bytes"], total["uncompressed_bytes"] / total["sent_bytes"]
+            sent = last["sent_bytes"]  # (nothing at all with one process: then 1x)
+            reduction = total["uncompressed_bytes"] / total["sent_bytes"] if total["sent_bytes"] else 1.0
         else:
             sent, reduction = sent_by_dtype, dense_bytes / sent_by_dtype
         if writer is not None:
@@ -152,7 +172,7 @@ def main(argv=None):
         result = {"compression": args.compression, "workers": size, "accuracy": accuracy,
                   "loss": mean_loss, "sent_bytes_last_step": sent, "dense_bytes_per_step": dense_bytes,
                   "reduction": reduction, "seconds": time.perf_counter() - start,
-                  "steps": args.epochs * steps_per_epoch}
+                  "steps": args.epochs * steps_per_epoch, "epochs": args.epochs}
         print("result " + json.dumps(result), flush=True)
         if args.result:
             with open(args.result, "w") as f:

@@ -34,11 +34,18 @@ def run_job(compression, workers, extra=()):
             return json.load(f)
 
 
-def main():
+def main(argv=None):
+    extra = sys.argv[1:] if argv is None else list(argv)
+    if any(a in ("-h", "--help") for a in extra):
+        print(__doc__ + "\nusage: python examples/run_demo.py [ARGUMENTS]\n\nARGUMENTS (e.g. --epochs 5 "
+              "--seed 1) go to examples/pytorch_scalecom.py in both jobs; see its --help.")
+        return
+    if any(a == "--compression" or a.startswith("--compression=") for a in extra):
+        raise SystemExit("run_demo.py runs --compression scalecom and then dense itself: leave --compression out")
     workers = 2
-    scalecom = run_job("scalecom", workers, sys.argv[1:])
-    dense = run_job("dense", workers)
-    print("\nsummary (2 workers, digits, 25 epochs):")
+    scalecom = run_job("scalecom", workers, extra)
+    dense = run_job("dense", workers, extra)  # the same settings: a side-by-side comparison
+    print(f"\nsummary ({workers} workers, digits, {scalecom['epochs']} epochs):")
     for r in (scalecom, dense):
         print(f"  {r['compression']:8s} test accuracy {100 * r['accuracy']:6.2f}%   gradient bytes "
               f"{r['reduction']:5.1f}x fewer than dense   {r['seconds']:5.1f} s")

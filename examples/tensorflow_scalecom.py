@@ -34,6 +34,14 @@ import horovod.tensorflow as hvd
 from hvd_scalecom.tensorflow import ScaleCom, make_train_step
 
 
+def positive_int(text):
+    """argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--compression", choices=["scalecom", "dense", "fp16"], default="scalecom")
@@ -46,9 +54,10 @@ def parse_args(argv=None):
     ap.add_argument("--value-dtype", choices=["float32", "float16"], default=None)
     ap.add_argument("--index-exchange", choices=["broadcast", "allreduce"], default="broadcast")
     ap.add_argument("--pipelined", action="store_true", help="indices selected one step ahead")
-    ap.add_argument("--epochs", type=int, default=25)
-    ap.add_argument("--batch-size", type=int, default=32, help="per worker")
-    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--epochs", type=positive_int, default=25)
+    ap.add_argument("--batch-size", type=positive_int, default=32,
+                    help="per worker, at most its shard of the 1,437 training images")
+    ap.add_argument("--lr", type=float, default=0.05, help="per worker: learning rate = lr x workers")
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eager", action="store_true", help="run the train step eagerly")
@@ -88,6 +97,13 @@ def main(argv=None):
     keras.utils.set_random_seed(args.seed)
     x_train, y_train, x_test, y_test = digits_split()
     shard_x, shard_y = x_train[rank::size], y_train[rank::size]
+    smallest_shard = len(x_train) // size  # (shards differ by up to one image)
+    if args.batch_size > smallest_shard:
+        raise SystemExit(f"--batch-size {args.batch_size} is larger than the smallest worker's shard of "
+                         f"{smallest_shard} training images at {size} workers")
+    if size == 1 and args.compression != "dense" and rank == 0:
+        print("note: with one process Horovod reduces nothing, so no gradient is compressed "
+              "(run under horovodrun -np 2 or more)", flush=True)
     model = make_model()
 
     if args.compression == "scalecom":
@@ -118,10 +134,13 @@ def main(argv=None):
         if manager.latest_checkpoint is None:
             raise FileNotFoundError(f"--resume: no checkpoint in {args.checkpoint}/rank{rank}")
         checkpoint.restore(manager.latest_checkpoint).assert_existing_objects_matched()
+        if int(epoch_done) >= args.epochs:
+            raise SystemExit(f"--epochs {args.epochs}: the checkpoint in {args.checkpoint} has trained "
+                             f"{int(epoch_done)} epochs already; ask for more to resume")
 
     dense_bytes = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
     sent_by_dtype = {"fp16": dense_bytes // 2}.get(args.compression, dense_bytes)
-    steps_per_epoch = len(shard_x) // args.batch_size
+    steps_per_epoch = smallest_shard // args.batch_size  # the same on every rank (collectives pair up)
     order_gen = np.random.RandomState(args.seed * 1000 + rank)
     if rank == 0:
         n_params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
@@ -147,7 +166,8 @@ def main(argv=None):
         accuracy = evaluate(model, x_test, y_test)
         if args.compression == "scalecom":
             last, total = compression.stats(), compression.stats()["total"]
-            sent, reduction = last["sent_bytes"], total["uncompressed_bytes"] / total["sent_bytes"]
+            sent = last["sent_bytes"]  # (nothing at all with one process: then 1x)
+            reduction = total["uncompressed_bytes"] / total["sent_bytes"] if total["sent_bytes"] else 1.0
         else:
             sent, reduction = sent_by_dtype, dense_bytes / sent_by_dtype
         if rank == 0:

@@ -21,6 +21,9 @@ import numbers
 LEADER_POLICIES = ("cyclic", "staggered")
 SELECTIONS = ("exact", "threshold")
 VALUE_DTYPES = (None, "float32", "float16", "bfloat16")
+# Horovod 0.28.1's collectives take no bfloat16 (PyTorch: "BFloat16Tensor is not supported"; TensorFlow:
+# no kernel): on Horovod, values travel in the gradient's dtype or these; the simulator takes all.
+HOROVOD_VALUE_DTYPES = tuple(d for d in VALUE_DTYPES if d != "bfloat16")
 INDEX_DTYPES = ("int64", "int32")
 INT32_INDEX_MAX_NUMEL = 2**31 - 1  # larger tensors' indices travel as int64 whatever index_dtype says
 

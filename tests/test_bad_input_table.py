@@ -85,6 +85,7 @@ ROWS = [
     (torch_scalecom, "selection", "approximate", ValueError, "selection"),
     (torch_scalecom, "value_dtype", torch.int8, ValueError, "value_dtype"),
     (torch_scalecom, "value_dtype", 3, ValueError, "value_dtype"),
+    (torch_scalecom, "value_dtype", torch.bfloat16, ValueError, "value_dtype"),  # (Horovod takes no bf16)
     (torch_scalecom, "index_dtype", torch.float32, ValueError, "index_dtype"),
     (torch_scalecom, "pipelined", "yes", TypeError, "pipelined"),
     (torch_scalecom, "timeout", -1, ValueError, "timeout"),

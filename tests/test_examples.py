@@ -45,3 +45,39 @@ def test_progress_bar_on_rank_0(example):
     # tqdm redraws the bar every 0.1 s or so; horovodrun prints each redraw as a line of rank 0's
     assert re.search(r"\[0\]<stdout>:epoch 1: +\d+%\|.*\| \d+/\d+ \[", output), output[-2000:]
     assert "[1]<stdout>:epoch 1:" not in output
+
+
+@pytest.mark.parametrize("example", ["pytorch_scalecom.py", "tensorflow_scalecom.py"])
+def test_shards_of_different_sizes_take_the_same_steps(example, tmp_path):
+    """4 workers: shards of 360, 359, 359 and 359 images; batches of 120 give every rank 2 steps (3
+    on rank 0 would leave its third allreduce waiting for the others)."""
+    result = tmp_path / "result.json"
+    output = run([os.path.join(ROOT, "examples", example), "--epochs", "1", "--batch-size", "120",
+                  "--result", str(result)], np=4, timeout=300)
+    assert "2 steps per epoch" in output
+    assert json.loads(result.read_text())["compression"] == "scalecom"
+
+
+@pytest.mark.parametrize("example", ["pytorch_scalecom.py", "tensorflow_scalecom.py"])
+@pytest.mark.parametrize("arguments, message", [
+    (["--epochs", "0"], "argument --epochs: must be a positive integer, got 0"),
+    (["--batch-size", "-5"], "argument --batch-size: must be a positive integer, got -5"),
+    (["--batch-size", "2000"], "--batch-size 2000 is larger than the smallest worker's shard of 1437"),
+])
+def test_bad_example_arguments_are_named(example, arguments, message):
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", example), *arguments],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and message in done.stdout + done.stderr, done.stderr[-2000:]
+
+
+def test_the_demo_explains_its_arguments_and_refuses_compression():
+    import subprocess
+    import sys
+    demo = os.path.join(ROOT, "examples", "run_demo.py")
+    shown = subprocess.run([sys.executable, demo, "--help"], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and "go to examples/pytorch_scalecom.py in both jobs" in shown.stdout
+    refused = subprocess.run([sys.executable, demo, "--compression", "fp16"], capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode != 0 and "leave --compression out" in refused.stderr

@@ -34,6 +34,24 @@ def test_adasum_is_a_clear_error(horovod_job):
                                       in section for section in sections)
 
 
+def test_a_process_set_given_to_the_optimizer_alone_ends_with_a_clear_error(horovod_job):
+    """Rank 1, outside the optimizer's process set, never reduces: ScaleCom's comparison over all
+    ranks waits for it, warning at Horovod's stall check interval and raising at its shutdown time."""
+    from hvd_scalecom.launch import HorovodRunError
+    opts = {"steps": 2, "process_set": [0, 2], "process_set_for_optimizer_only": True}
+    with pytest.raises(HorovodRunError) as failure:
+        horovod_job("torch_scalecom.py", opts, np=3, timeout=120,
+                    env={"HOROVOD_STALL_CHECK_TIME_SECONDS": "3", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "8"})
+    report = str(failure.value)
+    assert "timed out" not in report.split("\n", 1)[0]
+    for rank in (0, 2):
+        section = report.split(f"----- rank {rank} -----", 1)[1].split("-----", 1)[0]
+        assert "ScaleCom warning: still waiting after 3 s for every rank's ScaleCom configuration" in section
+        assert "RuntimeError: ScaleCom: still waiting after 8 s" in section or \
+            "Horovod has been shut down" in section
+        assert "pass it the optimizer's process_set" in section
+
+
 @pytest.mark.parametrize("per_rank, differing", [
     ({"1": {"ratio": 0.02}}, "ratio"),
     ({"2": {"leader": "staggered"}}, "leader"),
@@ -118,3 +136,21 @@ def test_a_gradient_changed_in_place_before_synchronize_is_an_error_on_every_pat
     with pytest.raises(RuntimeError, match="gradient of 'w' was changed in place between backward"):
         compression.decompress(values, ctx)
     assert torch.equal(compression._slots[0].memory, memory)
+
+
+def test_pipelined_index_bytes_count_both_exchanges_of_a_fresh_step_also_after_resync():
+    """Pipelined, a step shares the next one's indices; the first step, and the first after resync()
+    (an elastic world change forgets what was shared), also exchanges its own: two broadcasts."""
+    param, compression = one_rank_scalecom(4096, pipelined=True)
+    k = compression.config.num_selected(4096)
+
+    def step():
+        param.grad = torch.randn(4096)
+        param.grad.set_(compression.decompress(*compression.compress(param.grad)))
+
+    for _ in range(2):
+        step()
+    compression.resync()
+    step()
+    assert [compression.stats(t)["index_bytes"] for t in range(3)] == [8 * k, 4 * k, 8 * k]
+    assert compression.stats()["total"]["index_bytes"] == 20 * k

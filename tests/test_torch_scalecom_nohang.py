@@ -13,14 +13,16 @@ from test_torch_scalecom import NAMES, check_against_reference, check_identical_
 FAST_STALL = {"HOROVOD_STALL_CHECK_TIME_SECONDS": "10", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "60"}
 
 
-@pytest.mark.parametrize("np_, ranks, pipelined", [(2, [0, 1], False), (2, [1], False), (3, [2], False),
-                                                   (3, [1], True)])
-def test_requires_grad_toggled_mid_training(horovod_job, np_, ranks, pipelined):
-    """out.weight is frozen for steps 3-5 on ``ranks`` (all of them or one), then trainable again.
-    A frozen rank's gradient is not computed, so Horovod reduces zeros for it after the backward
-    pass: the reference sees a zero gradient from that rank, as for any missing gradient."""
+@pytest.mark.parametrize("np_, ranks, pipelined, frozen", [
+    (2, [0, 1], False, (3, 6)), (2, [1], False, (3, 6)), (3, [2], False, (3, 6)), (3, [1], True, (3, 6)),
+    (3, [2], True, (0, 1)),  # at the first step: the leader's fresh indices and the next step's in flight
+])
+def test_requires_grad_toggled_mid_training(horovod_job, np_, ranks, pipelined, frozen):
+    """out.weight is frozen for steps ``frozen`` (e.g. 3-5) on ``ranks`` (all of them or one), then
+    trainable again. A frozen rank's gradient is not computed, so Horovod reduces zeros for it after
+    the backward pass: the reference sees a zero gradient from that rank, as for any missing gradient."""
     opts = {"ratio": 0.05, "beta": 0.5, "min_numel": 600, "steps": 8, "pipelined": pipelined,
-            "freeze": {"param": "out.weight", "ranks": ranks, "from": 3, "to": 6}}
+            "freeze": {"param": "out.weight", "ranks": ranks, "from": frozen[0], "to": frozen[1]}}
     results, _ = horovod_job("torch_scalecom.py", opts, np=np_, timeout=180, env=FAST_STALL)
     assert len(results) == np_
     # every parameter goes through compress once per step, frozen or not (Horovod reduces zeros for a
@@ -70,7 +72,7 @@ def test_staggered_leader_with_rank_dependent_order_fails_on_every_rank(horovod_
         horovod_job("torch_scalecom.py", opts, np=3, timeout=150, env=env)
     report = str(failure.value)
     assert "timed out" not in report.split("\n", 1)[0]
-    ours = f"did not arrive within {limit} s"
+    ours = f"still waiting after {limit} s for the leader's indices"
     sections = [report.split(f"----- rank {rank} -----", 1)[1].split("-----", 1)[0] for rank in range(3)]
     assert any(ours in section for section in sections)
     for section in sections:

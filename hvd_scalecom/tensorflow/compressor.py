@@ -48,7 +48,7 @@ import horovod.tensorflow as hvd
 from horovod.tensorflow.compression import Compressor
 
 from hvd_scalecom import agreement
-from hvd_scalecom.config import INDEX_DTYPES, VALUE_DTYPES, ScaleComConfig, check_dtype_name
+from hvd_scalecom.config import HOROVOD_VALUE_DTYPES, INDEX_DTYPES, ScaleComConfig, check_dtype_name
 from hvd_scalecom.state import check_next_indices, check_size, checked_params
 from hvd_scalecom.tensorflow import clt_k
 from hvd_scalecom.traffic import StepTraffic
@@ -78,10 +78,6 @@ class _Slot:
         self.next_indices = None  # pipelined: the indices selected for step ahead_step
         self.ahead_step = None  # pipelined: the step next_indices are for (-1: none), int64
         self.fresh = None  # pipelined: [fresh index exchanges, the step of the last one (-1: none)]
-
-
-# Horovod's TensorFlow allreduce has no bfloat16 kernel: values travel in the gradient's dtype or these.
-TF_VALUE_DTYPES = tuple(d for d in VALUE_DTYPES if d != "bfloat16")
 
 
 class ScaleCom(tf.Module, Compressor):
@@ -122,7 +118,7 @@ class ScaleCom(tf.Module, Compressor):
         config = ScaleComConfig(
             ratio=ratio, beta=beta, warmup_steps=warmup_steps, min_numel=min_numel, leader=leader,
             selection=selection,
-            value_dtype=check_dtype_name(_dtype_text(value_dtype), "value_dtype", TF_VALUE_DTYPES),
+            value_dtype=check_dtype_name(_dtype_text(value_dtype), "value_dtype", HOROVOD_VALUE_DTYPES),
             index_dtype=check_dtype_name(_dtype_text(index_dtype), "index_dtype", INDEX_DTYPES),
             pipelined=pipelined)
         if process_set is None:

@@ -6,6 +6,9 @@ Used by the ScaleCom compressor, :mod:`hvd_scalecom.torch.sketched_sgd` and
 """
 
 import hashlib
+import os
+import sys
+import time
 
 import torch
 
@@ -130,21 +133,56 @@ def tensors_digest(tensors):
     return h.hexdigest()[:16]
 
 
-def check_agreement(scheme, summary, process_set=None, hints=None):
+def check_agreement(scheme, summary, process_set=None, hints=None, stall=(None, None)):
     """Every rank hands in its ``summary`` (a JSON-able dict); all ranks raise the same ValueError,
     naming the keys that differ and each rank's values, when the summaries differ
     (:mod:`hvd_scalecom.agreement`).
 
     Blocking: call it at a point every rank reaches without waiting on anything else (the first
     ``compress`` of a step, the first ``step()``). ``hints``: ``{key: sentence}`` added to the message
-    when that key differs.
+    when that key differs. ``stall``: as :func:`wait`, for a rank that never comes.
     """
     import horovod.torch as hvd
 
     local = torch.frombuffer(bytearray(agreement.encode(summary)), dtype=torch.uint8)
     kwargs = {} if process_set is None else {"process_set": process_set}
     prefix = f"{scheme.lower()}.agreement"
-    sizes = hvd.allgather(torch.tensor([local.numel()]), name=f"{prefix}.sizes", **kwargs)
-    gathered = hvd.allgather(local, name=prefix, **kwargs)
+    what = (f"every rank's {scheme} configuration (compared at the first step). A rank that never "
+            f"reduces through {scheme} keeps the others here: e.g. one outside the optimizer's "
+            f"process_set when {scheme} was given a different one or none (pass it the optimizer's process_set)")
+    sizes = wait(hvd.allgather_async(torch.tensor([local.numel()]), name=f"{prefix}.sizes", **kwargs),
+                 stall, scheme, what)
+    gathered = wait(hvd.allgather_async(local, name=prefix, **kwargs), stall, scheme, what)
     agreement.check_gathered(scheme, [c.numpy().tobytes() for c in torch.split(gathered, sizes.tolist())],
                              hints)
+
+
+def stall_times(timeout=None):
+    """(warning interval, time limit) in seconds, None for never: Horovod's own stall settings
+    (``HOROVOD_STALL_CHECK_TIME_SECONDS``, 60, and ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``),
+    ``timeout`` taking precedence over the latter."""
+    disabled = os.environ.get("HOROVOD_STALL_CHECK_DISABLE", "0") not in ("", "0")
+    warn_every = None if disabled else float(os.environ.get("HOROVOD_STALL_CHECK_TIME_SECONDS", 60))
+    shutdown = float(os.environ.get("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0))
+    limit = timeout if timeout is not None else (shutdown if shutdown > 0 and not disabled else None)
+    return warn_every, limit
+
+
+def wait(handle, stall, scheme, what, advice=""):
+    """The result of Horovod's async ``handle``, printing ``"<scheme> warning: still waiting after N s
+    for <what>. <advice>"`` every ``stall[0]`` seconds while it is late and raising RuntimeError after
+    ``stall[1]`` (:func:`stall_times`; None: never), as Horovod's stall check does for its own."""
+    import horovod.torch as hvd
+
+    warn_every, limit = stall
+    start = warned = time.monotonic()
+    while not hvd.poll(handle):
+        now = time.monotonic()
+        if limit is not None and now - start > limit:
+            raise RuntimeError(f"{scheme}: still waiting after {limit:g} s for {what}.")
+        if warn_every is not None and now - warned > warn_every:
+            warned = now
+            print(f"{scheme} warning: still waiting after {now - start:.0f} s for {what}. {advice}".rstrip(),
+                  file=sys.stderr, flush=True)
+        time.sleep(1e-4)
+    return hvd.synchronize(handle)

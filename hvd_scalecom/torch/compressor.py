@@ -39,8 +39,6 @@ compute, a parameter it froze with ``requires_grad_(False)``), can deadlock. (Wi
 """
 
 import math
-import os
-import sys
 import time
 
 import torch
@@ -48,11 +46,11 @@ import horovod.torch as hvd
 from horovod.torch.compression import Compressor
 
 from hvd_scalecom.agreement import shapes_digest
-from hvd_scalecom.config import INDEX_DTYPES, VALUE_DTYPES, ScaleComConfig, check_dtype_name
+from hvd_scalecom.config import HOROVOD_VALUE_DTYPES, INDEX_DTYPES, ScaleComConfig, check_dtype_name
 from hvd_scalecom.state import check_next_indices, checked_params
 from hvd_scalecom.torch import clt_k
 from hvd_scalecom.torch.common import (GradientLookup, check_agreement, check_process_set,
-                                      check_state_entry, named_parameter_list)
+                                      check_state_entry, named_parameter_list, stall_times, wait)
 from hvd_scalecom.traffic import TrafficMeter
 
 _TORCH_DTYPES = {
@@ -68,16 +66,6 @@ def _as_dtype(tensor, dtype):
     """``tensor.to(dtype)`` without the call where it already has that dtype (a microsecond or two
     per tensor and step)."""
     return tensor if tensor.dtype is dtype else tensor.to(dtype)
-
-
-def _stall_times(timeout):
-    """(warning interval, time limit) in seconds, None for never: Horovod's own stall settings,
-    ``timeout`` taking precedence over ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``."""
-    disabled = os.environ.get("HOROVOD_STALL_CHECK_DISABLE", "0") not in ("", "0")
-    warn_every = None if disabled else float(os.environ.get("HOROVOD_STALL_CHECK_TIME_SECONDS", 60))
-    shutdown = float(os.environ.get("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0))
-    limit = timeout if timeout is not None else (shutdown if shutdown > 0 and not disabled else None)
-    return warn_every, limit
 
 
 class _Slot:
@@ -112,8 +100,8 @@ class ScaleCom(Compressor):
         leader: ``"cyclic"`` (``t mod size``) or ``"staggered"`` (``(t + parameter index) mod size``).
         selection: ``"threshold"`` (default) or ``"exact"`` top-k: the same indices (see
             ``clt_k.select_top_k``); "threshold" finds them several times faster on large tensors.
-        value_dtype: dtype the selected values travel in, e.g. ``torch.float16`` (default: the
-            gradient's dtype).
+        value_dtype: dtype the selected values travel in, ``torch.float16`` or ``torch.float32``
+            (default: the gradient's dtype; Horovod's collectives take no bfloat16).
         index_dtype: ``torch.int32`` (default; int64 for tensors of 2**31 entries or more) or
             ``torch.int64`` for the broadcast indices.
         pipelined: use indices selected one step earlier, so that their broadcast never stalls the
@@ -131,13 +119,13 @@ class ScaleCom(Compressor):
                  pipelined=False, loss_scaler=None, process_set=None, timeout=None):
         self.config = ScaleComConfig(
             ratio=ratio, beta=beta, warmup_steps=warmup_steps, min_numel=min_numel, leader=leader,
-            selection=selection, value_dtype=check_dtype_name(value_dtype, "value_dtype", VALUE_DTYPES),
+            selection=selection, value_dtype=check_dtype_name(value_dtype, "value_dtype", HOROVOD_VALUE_DTYPES),
             index_dtype=check_dtype_name(index_dtype, "index_dtype", INDEX_DTYPES), pipelined=pipelined)
         if timeout is not None and not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
                                         and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
         self.timeout = timeout
-        self._stall = _stall_times(timeout)  # Horovod's stall settings, read at start-up as Horovod does
+        self._stall = stall_times(timeout)  # Horovod's stall settings, read at start-up as Horovod does
         if loss_scaler is not None and not callable(getattr(loss_scaler, "get_scale", None)):
             raise TypeError(f"loss_scaler must have a get_scale() method (torch.amp.GradScaler), "
                             f"got {type(loss_scaler).__name__}")
@@ -213,9 +201,6 @@ class ScaleCom(Compressor):
                                                    index_dtype=self._index_dtype(numel))
             wait_from += time.perf_counter() - select_from
             sending = self._broadcast_async(slot, indices, leader)  # (in the broadcast's dtype)
-            if self.config.pipelined:  # the next step's broadcast of this name starts below
-                self._synchronize(sending, slot)
-                sending = None
         else:
             indices = self._wait(slot, t, rank, size)
         waited = time.perf_counter() - wait_from
@@ -358,7 +343,7 @@ class ScaleCom(Compressor):
         steps = hvd.broadcast(steps, root_rank=root, name="scalecom.resync", **kwargs)
         for slot, step in zip(self._slots, steps.tolist()):
             slot.step = step
-            slot.posted = slot.expected = None
+            slot.posted = slot.expected = slot.ahead_for = None
             slot.excluded = False
         self._lookup.reset()
         self._posted_through = -1
@@ -377,7 +362,7 @@ class ScaleCom(Compressor):
         self._agreed = True
         check_agreement("ScaleCom", summary, self._process_set,
                         {"parameter_digest": "(parameter_digest covers the names and shapes of "
-                                             "named_parameters.)"})
+                                             "named_parameters.)"}, stall=self._stall)
 
     def _index_dtype(self, numel):
         return _TORCH_DTYPES[self.config.index_dtype_for(numel)]
@@ -388,13 +373,15 @@ class ScaleCom(Compressor):
             return hvd.size(), hvd.rank()
         return ps.size(), ps.rank()
 
-    def _broadcast_async(self, slot, buffer, leader):
-        """Broadcast ``buffer`` from ``leader`` (relative rank; Horovod wants the global one)."""
+    def _broadcast_async(self, slot, buffer, leader, ahead=False):
+        """Broadcast ``buffer`` from ``leader`` (relative rank; Horovod wants the global one), under the
+        parameter's name, with ``.ahead`` for the indices a pipelined step shares for the next one: a
+        step that exchanges its own indices too has both in flight (names must differ)."""
+        name = f"scalecom.{slot.name}.ahead" if ahead else f"scalecom.{slot.name}"
         ps = self._process_set
         if ps is None:
-            return hvd.broadcast_async_(buffer, root_rank=leader, name=f"scalecom.{slot.name}")
-        return hvd.broadcast_async_(buffer, root_rank=ps.ranks[leader], name=f"scalecom.{slot.name}",
-                                    process_set=ps)
+            return hvd.broadcast_async_(buffer, root_rank=leader, name=name)
+        return hvd.broadcast_async_(buffer, root_rank=ps.ranks[leader], name=name, process_set=ps)
 
     def _index_buffer(self, slot):
         numel = slot.param.numel()
@@ -473,7 +460,7 @@ class ScaleCom(Compressor):
             buffer = buffer.to(self._index_dtype(numel))
         else:
             buffer = self._index_buffer(slot)
-        slot.posted = (t, self._broadcast_async(slot, buffer, leader), buffer)
+        slot.posted = (t, self._broadcast_async(slot, buffer, leader, ahead=True), buffer)
         slot.expected = slot.ahead_for = t
 
     def _wait(self, slot, t, rank, size):
@@ -485,26 +472,16 @@ class ScaleCom(Compressor):
         return buffer
 
     def _synchronize(self, handle, slot):
-        """Wait for a broadcast: a warning every ``HOROVOD_STALL_CHECK_TIME_SECONDS`` (60) while it
-        is late, a RuntimeError after ``timeout`` (or ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``)."""
+        """Wait for a broadcast (:func:`hvd_scalecom.torch.common.wait`): a warning every
+        ``HOROVOD_STALL_CHECK_TIME_SECONDS`` (60) while it is late, a RuntimeError after ``timeout`` (or
+        ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``)."""
         if handle is None:
             return  # restored from a checkpoint: nothing in flight
-        start = warned = time.monotonic()
-        warn_every, limit = self._stall
-        cause = ("Ranks reduce parameters in different orders while leader='staggered', or a rank "
-                 "stopped training.")
-        while not hvd.poll(handle):
-            now = time.monotonic()
-            if limit is not None and now - start > limit:
-                raise RuntimeError(f"ScaleCom: the leader's indices for {slot.name!r} did not arrive "
-                                   f"within {limit:g} s. {cause}")
-            if warn_every is not None and now - warned > warn_every:
-                warned = now
-                print(f"ScaleCom warning: still waiting after {now - start:.0f} s for the leader's "
-                      f"indices for {slot.name!r}. {cause} Set ScaleCom(timeout=...) to raise instead.",
-                      file=sys.stderr, flush=True)
-            time.sleep(1e-4)
-        hvd.synchronize(handle)
+        wait(handle, self._stall, "ScaleCom",
+             f"the leader's indices for {slot.name!r}. A rank reduces this parameter later than the others "
+             f"(e.g. it is frozen or unused on some ranks only, or ranks reduce parameters in different "
+             f"orders while leader='staggered'), or a rank stopped training",
+             "Set ScaleCom(timeout=...) to raise instead.")
 
     def _not_yet_reduced(self, index):
         reduced = min(slot.step for slot in self._slots)

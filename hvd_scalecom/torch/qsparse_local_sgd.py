@@ -44,7 +44,7 @@ from hvd_scalecom.baseline_config import QsparseConfig
 from hvd_scalecom.torch import clt_k
 from hvd_scalecom.config import check_int
 from hvd_scalecom.torch.common import (check_agreement, check_process_set, check_state_entry,
-                                       named_parameter_list, tensors_digest)
+                                       named_parameter_list, stall_times, tensors_digest)
 from hvd_scalecom.torch.qsparse_steps import compress_delta_, decode, mean_of_sparse, payload_dtypes
 from hvd_scalecom.traffic import TrafficMeter, allgather_bytes_sent, allreduce_bytes_sent
 
@@ -254,7 +254,7 @@ class QsparseLocalSGD(torch.optim.Optimizer):
                              "covers the values of the parameters): broadcast it first, "
                              "hvd.broadcast_parameters(model.state_dict(), root_rank=0), or restore "
                              "the same checkpoint on every rank.",
-            "step": "Ranks resumed from checkpoints of different steps."})
+            "step": "Ranks resumed from checkpoints of different steps."}, stall=stall_times())
         self._agreed = True
 
     def _size_rank(self):

@@ -44,7 +44,7 @@ from hvd_scalecom.baseline_config import SketchedSGDConfig
 from hvd_scalecom.state import checked_params
 from hvd_scalecom.torch import clt_k
 from hvd_scalecom.torch.common import (GradientLookup, check_agreement, check_process_set,
-                                      check_state_entry, named_parameter_list)
+                                      check_state_entry, named_parameter_list, stall_times)
 from hvd_scalecom.torch.sketch import CountSketch
 from hvd_scalecom.torch.sketched_steps import (accumulate_, applied_update, heavy_candidates,
                                                select_applied, zero_applied_)
@@ -284,7 +284,7 @@ class SketchedSGD(Compressor):
                    "parameter_digest": shapes_digest(shapes)}
         check_agreement("SketchedSGD", summary, self._process_set,
                         {"parameter_digest": "(parameter_digest covers the names and shapes of "
-                                             "named_parameters.)"})
+                                             "named_parameters.)"}, stall=stall_times())
         self._agreed = True
 
     def _ps_kwargs(self):
