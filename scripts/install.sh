@@ -55,7 +55,11 @@ fi
 # 2. The virtual environment and the frameworks (Horovod compiles against these exact versions).
 py="python$PYTHON_VERSION"
 command -v "$py" >/dev/null || py=python3
-[ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$py" -m venv "$VENV"; }
+if [ ! -x "$VENV/bin/python" ]; then
+  "$py" -c "import sys; sys.exit(not sys.version.startswith('$PYTHON_VERSION'))" 2>/dev/null \
+    || die "Python $PYTHON_VERSION is needed (the frameworks and Horovod are pinned for it): no python$PYTHON_VERSION on PATH, and $py is $("$py" -V 2>&1); install it (e.g. apt-get install python$PYTHON_VERSION python$PYTHON_VERSION-venv) and retry"
+  log "creating $VENV"; "$py" -m venv "$VENV"
+fi
 vpy="$VENV/bin/python"
 "$vpy" -c "import sys; assert sys.version.startswith('$PYTHON_VERSION'), sys.version" \
   || die "$VENV uses $("$vpy" -V), expected Python $PYTHON_VERSION; remove $VENV and retry"
