@@ -154,3 +154,22 @@ def test_pipelined_index_bytes_count_both_exchanges_of_a_fresh_step_also_after_r
     step()
     assert [compression.stats(t)["index_bytes"] for t in range(3)] == [8 * k, 4 * k, 8 * k]
     assert compression.stats()["total"]["index_bytes"] == 20 * k
+
+
+@pytest.mark.parametrize("numel", [4096, (1 << 19) + 5])  # in place, and the buffers traded
+def test_a_second_reduction_of_the_same_step_is_refused(numel):
+    """optimizer.step() after optimizer.synchronize() without skip_synchronize() makes Horovod reduce
+    every gradient again: ScaleCom refuses the gradient it gave back (it would count another step),
+    and accepts the next step's, a new tensor or the same one zeroed and accumulated into."""
+    param, compression = one_rank_scalecom(numel)
+    param.grad = torch.randn(numel)
+    param.grad.set_(compression.decompress(*compression.compress(param.grad)))
+    with pytest.raises(RuntimeError, match="reducing it a second time .*skip_synchronize"):
+        compression.compress(param.grad)
+    assert compression.state_dict()["params"]["w"]["step"] == 1
+    param.grad.zero_()  # zero_grad(set_to_none=False), then backward accumulating into it
+    param.grad.add_(torch.randn(numel))
+    param.grad.set_(compression.decompress(*compression.compress(param.grad)))
+    param.grad = torch.randn(numel)  # zero_grad() (to None), then backward
+    param.grad.set_(compression.decompress(*compression.compress(param.grad)))
+    assert compression.state_dict()["params"]["w"]["step"] == 3

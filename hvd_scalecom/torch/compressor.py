@@ -40,6 +40,7 @@ compute, a parameter it froze with ``requires_grad_(False)``), can deadlock. (Wi
 
 import math
 import time
+import weakref
 
 import torch
 import horovod.torch as hvd
@@ -72,7 +73,7 @@ class _Slot:
     """Everything ScaleCom keeps for one parameter."""
 
     __slots__ = ("index", "name", "param", "memory", "step", "posted", "expected", "excluded", "scale",
-                 "marks", "ahead_for")
+                 "marks", "ahead_for", "handed_back")
 
     def __init__(self, index, name, param):
         self.index = index
@@ -86,6 +87,7 @@ class _Slot:
         self.scale = None  # the loss scale the memory is expressed in (with a loss_scaler)
         self.marks = None  # I as a bitmap from compress to decompress, where the buffers are traded
         self.ahead_for = None  # pipelined: the step whose indices were selected (or restored) ahead
+        self.handed_back = None  # (the gradient object, data_ptr, version) decompress left it with
 
 
 class ScaleCom(Compressor):
@@ -155,6 +157,14 @@ class ScaleCom(Compressor):
         if not tensor.dtype.is_floating_point:
             raise TypeError(f"ScaleCom compresses floating-point gradients; the gradient of "
                             f"{slot.name!r} is {tensor.dtype}")
+        handed = slot.handed_back
+        if handed is not None and handed[0]() is tensor and (tensor.data_ptr(), tensor._version) == handed[1:]:
+            raise RuntimeError(
+                f"the gradient of {slot.name!r} is the one this step's synchronize() gave back: Horovod "
+                f"is reducing it a second time (optimizer.step() after optimizer.synchronize(), outside "
+                f"optimizer.skip_synchronize()), which ScaleCom would count as another step. Step inside "
+                f"`with optimizer.skip_synchronize():` after calling optimizer.synchronize()")
+        original = weakref.ref(tensor)  # (Horovod sets p.grad, this object, to what decompress returns)
         numel = tensor.numel()
         if slot.memory is not None and slot.memory.numel() != numel:
             raise ValueError(f"the gradient of {slot.name!r} has {numel} entries, its residue memory "
@@ -181,7 +191,8 @@ class ScaleCom(Compressor):
         self._post_receives(t, rank, size)
         slot.step += 1
         try:
-            return self._compress_step(slot, tensor, t, numel, k, size, rank, leader, may_advance, start)
+            values, ctx = self._compress_step(slot, tensor, t, numel, k, size, rank, leader, may_advance, start)
+            return values, (*ctx, original)
         except BaseException:
             slot.step = t  # the step did not happen: a retry (or a restored state) starts it again
             raise
@@ -236,7 +247,7 @@ class ScaleCom(Compressor):
         if ctx is None:
             return tensor
         start = time.perf_counter()
-        slot, t, indices, grad, taken, sending, advanced, version = ctx
+        slot, t, indices, grad, taken, sending, advanced, version, original = ctx
         self._synchronize(sending, slot)  # long done: every rank received it before reducing
         if version is not None and grad._version != version:
             # Between its hook and synchronize() a gradient is in flight, as Horovod's own in-place
@@ -262,6 +273,9 @@ class ScaleCom(Compressor):
             out = clt_k.scatter_dense(tensor, indices, grad.numel(), grad.dtype).view(grad.shape)
         if not updated:
             self.nonfinite_skips += 1
+        # Horovod's p.grad.set_(out) moves the gradient's version counter by one: a second reduction of
+        # this step finds that object, with out's storage and that version (see compress).
+        slot.handed_back = (original, out.data_ptr(), grad._version + 1)
         self.traffic.add_time(t, time.perf_counter() - start)
         return out
 
