@@ -20,13 +20,7 @@ from sklearn.datasets import load_digits
 import horovod.torch as hvd
 from hvd_scalecom.torch import ScaleCom, log_stats
 
-
-def positive_int(text):
-    """argparse type: an int >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
+from digits_common import epoch_steps, positive_int
 
 
 def parse_args(argv=None):
@@ -84,13 +78,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     x_train, y_train, x_test, y_test = digits_split()
     shard_x, shard_y = x_train[rank::size], y_train[rank::size]
-    smallest_shard = len(x_train) // size  # (shards differ by up to one image)
-    if args.batch_size > smallest_shard:
-        raise SystemExit(f"--batch-size {args.batch_size} is larger than the smallest worker's shard of "
-                         f"{smallest_shard} training images at {size} workers")
-    if size == 1 and args.compression != "dense" and rank == 0:
-        print("note: with one process Horovod reduces nothing, so no gradient is compressed "
-              "(run under horovodrun -np 2 or more)", flush=True)
+    steps_per_epoch = epoch_steps(len(x_train), args.batch_size, size, rank, args.compression)
     model = make_model()
 
     if args.compression == "scalecom":
@@ -112,7 +100,6 @@ def main(argv=None):
 
     dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     sent_by_dtype = {"fp16": dense_bytes // 2}.get(args.compression, dense_bytes)
-    steps_per_epoch = smallest_shard // args.batch_size  # the same on every rank (collectives pair up)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
