@@ -44,12 +44,14 @@ def test_a_process_set_given_to_the_optimizer_alone_ends_with_a_clear_error(horo
                     env={"HOROVOD_STALL_CHECK_TIME_SECONDS": "3", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "8"})
     report = str(failure.value)
     assert "timed out" not in report.split("\n", 1)[0]
-    for rank in (0, 2):
-        section = report.split(f"----- rank {rank} -----", 1)[1].split("-----", 1)[0]
+    sections = [report.split(f"----- rank {rank} -----", 1)[1].split("-----", 1)[0] for rank in (0, 2)]
+    for section in sections:
         assert "ScaleCom warning: still waiting after 3 s for every rank's ScaleCom configuration" in section
+        assert "pass it the optimizer's process_set" in section
+        # (a rank may learn of the first error from Horovod's shutdown, the same 8 s later)
         assert "RuntimeError: ScaleCom: still waiting after 8 s" in section or \
             "Horovod has been shut down" in section
-        assert "pass it the optimizer's process_set" in section
+    assert any("RuntimeError: ScaleCom: still waiting after 8 s" in section for section in sections)
 
 
 @pytest.mark.parametrize("per_rank, differing", [
@@ -132,10 +134,27 @@ def test_a_gradient_changed_in_place_before_synchronize_is_an_error_on_every_pat
     memory = compression._slots[0].memory.clone()
     param.grad = torch.randn(numel)
     values, ctx = compression.compress(param.grad)
+    if numel > (1 << 19):  # (the path that writes the new memory over the gradient)
+        assert ctx[6], "the large non-leader case did not take the buffer-trading path"
     torch.nn.utils.clip_grad_norm_([param], 1e-3)
     with pytest.raises(RuntimeError, match="gradient of 'w' was changed in place between backward"):
         compression.decompress(values, ctx)
     assert torch.equal(compression._slots[0].memory, memory)
+
+
+def test_gradients_that_are_views_of_one_buffer_are_not_taken_for_changed():
+    """Views of a shared gradient buffer share its version counter: another parameter's accumulation
+    between one's hook and synchronize() moves it without changing that gradient."""
+    import horovod.torch as hvd
+    hvd.init()
+    a, b = torch.nn.Parameter(torch.zeros(4096)), torch.nn.Parameter(torch.zeros(4096))
+    compression = ScaleCom([("a", a), ("b", b)], ratio=0.01, min_numel=16)
+    flat = torch.randn(8192)
+    a.grad, b.grad = flat[:4096], flat[4096:]
+    values, ctx = compression.compress(a.grad)
+    b.grad.add_(1.0)  # (b's backward accumulating into its view)
+    out = compression.decompress(values, ctx)
+    assert torch.count_nonzero(out) == compression.config.num_selected(4096)
 
 
 def test_pipelined_index_bytes_count_both_exchanges_of_a_fresh_step_also_after_resync():
@@ -164,7 +183,7 @@ def test_a_second_reduction_of_the_same_step_is_refused(numel):
     param, compression = one_rank_scalecom(numel)
     param.grad = torch.randn(numel)
     param.grad.set_(compression.decompress(*compression.compress(param.grad)))
-    with pytest.raises(RuntimeError, match="reducing it a second time .*skip_synchronize"):
+    with pytest.raises(RuntimeError, match="reducing it a second time.*skip_synchronize"):
         compression.compress(param.grad)
     assert compression.state_dict()["params"]["w"]["step"] == 1
     param.grad.zero_()  # zero_grad(set_to_none=False), then backward accumulating into it

@@ -23,18 +23,15 @@ derived (which tensors are sketched, k, c, P k) by :class:`hvd_scalecom.baseline
 both shared with the Horovod compressor :class:`hvd_scalecom.torch.SketchedSGD`.
 """
 
-import functools
-
 import torch
 
 from hvd_scalecom.baseline_config import SketchedSGDConfig
 from hvd_scalecom.config import ScaleComConfig
 from hvd_scalecom.sim.base import Scheme, public
 from hvd_scalecom.sim.traffic import StepRecord
-from hvd_scalecom.torch.clt_k import memory_dtype
 from hvd_scalecom.torch.sketch import CountSketch
 from hvd_scalecom.torch.sketched_steps import (accumulate_, applied_update, heavy_candidates,
-                                               select_applied, zero_applied_)
+                                               select_applied, vector_dtype, zero_applied_)
 
 
 class SketchedSGD(Scheme):
@@ -90,7 +87,7 @@ class SketchedSGD(Scheme):
         if self.sketched:
             G = torch.cat([by_name[s.name] for s in self.sketched], dim=1)
             if self._u is None:
-                self._u = torch.zeros(G.shape, dtype=memory_dtype(G.dtype), device=G.device)  # as on Horovod
+                self._u = torch.zeros(G.shape, dtype=vector_dtype([G.dtype]), device=G.device)  # as on Horovod
                 self._v = torch.zeros_like(self._u)
             if t < self.config.warmup_steps:  # dense momentum SGD, nothing accumulated in v
                 self._u.mul_(self.momentum).add_(G)
@@ -149,6 +146,6 @@ class SketchedSGD(Scheme):
                              f"({self.n}, {self.numel}), got {getattr(u, 'shape', u)!r} "
                              f"{getattr(u, 'dtype', '')} and {getattr(v, 'shape', v)!r} {getattr(v, 'dtype', '')}")
         if u is not None:  # kept as the first step makes them: fp32 at least, as the gradients' dtype
-            dtype = memory_dtype(functools.reduce(torch.promote_types, [s.dtype for s in self.sketched], torch.float32))
+            dtype = vector_dtype([s.dtype for s in self.sketched])
             u, v = u.to(dtype, copy=True), v.to(dtype, copy=True)
         self._u, self._v = u, v

@@ -467,7 +467,8 @@ class ScaleCom(tf.Module, Compressor):
         Returns a dict with ``step``, ``index_bytes``, ``value_bytes``, ``dense_bytes``, ``sent_bytes``,
         ``uncompressed_bytes``, ``ratio`` (uncompressed / sent), ``compress_seconds``,
         ``index_wait_seconds`` and ``tensors``, and ``total``: the same since this object was built
-        (or last loaded). Bytes follow from the configuration and the step counters; during warm-up
+        (or last loaded by ``load_state_dict``; a ``tf.train.Checkpoint`` restore brings back the saved
+        run's tallies with its steps). Bytes follow from the configuration and the step counters; during warm-up
         ``dense_bytes`` also counts the k zero values Horovod's allreduce carries.
         """
         done = [int(s.step.numpy()) for s in self._slots]

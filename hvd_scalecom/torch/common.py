@@ -14,6 +14,7 @@ import torch
 
 from hvd_scalecom import agreement
 from hvd_scalecom.config import check_int
+from hvd_scalecom.torch.clt_k import memory_dtype
 
 _USAGE = "named_parameters must be an iterable of (name, parameter) pairs, such as model.named_parameters()"
 
@@ -72,6 +73,12 @@ def check_state_entry(name, entry, numel, tensors, step=True):
                             f"got {type(value).__name__} {getattr(value, 'dtype', '')}".rstrip())
         if value.numel() != numel:
             raise ValueError(f"state {key} of {name!r} has {value.numel()} entries, the parameter {numel}")
+
+
+def as_memory_of(saved, param):
+    """A saved state tensor of ``param`` as memories are kept: a flat copy in ``memory_dtype`` (fp32 at
+    least) on the parameter's device."""
+    return saved.detach().reshape(-1).to(device=param.device, dtype=memory_dtype(param.dtype), copy=True)
 
 
 class GradientLookup:

@@ -50,7 +50,7 @@ from hvd_scalecom.agreement import shapes_digest
 from hvd_scalecom.config import HOROVOD_VALUE_DTYPES, INDEX_DTYPES, ScaleComConfig, check_dtype_name
 from hvd_scalecom.state import check_next_indices, checked_params
 from hvd_scalecom.torch import clt_k
-from hvd_scalecom.torch.common import (GradientLookup, check_agreement, check_process_set,
+from hvd_scalecom.torch.common import (GradientLookup, as_memory_of, check_agreement, check_process_set,
                                       check_state_entry, named_parameter_list, stall_times, wait)
 from hvd_scalecom.traffic import TrafficMeter
 
@@ -160,10 +160,11 @@ class ScaleCom(Compressor):
         handed = slot.handed_back
         if handed is not None and handed[0]() is tensor and (tensor.data_ptr(), tensor._version) == handed[1:]:
             raise RuntimeError(
-                f"the gradient of {slot.name!r} is the one this step's synchronize() gave back: Horovod "
-                f"is reducing it a second time (optimizer.step() after optimizer.synchronize(), outside "
-                f"optimizer.skip_synchronize()), which ScaleCom would count as another step. Step inside "
-                f"`with optimizer.skip_synchronize():` after calling optimizer.synchronize()")
+                f"the gradient of {slot.name!r} is the one ScaleCom's last decompress gave back, unchanged: "
+                f"Horovod is reducing it a second time, which ScaleCom would count as another step. Either "
+                f"optimizer.step() came after optimizer.synchronize() outside optimizer.skip_synchronize() "
+                f"(step inside `with optimizer.skip_synchronize():`), or the parameter has no gradient this "
+                f"step and its old one was not cleared (call optimizer.zero_grad() every step)")
         original = weakref.ref(tensor)  # (Horovod sets p.grad, this object, to what decompress returns)
         numel = tensor.numel()
         if slot.memory is not None and slot.memory.numel() != numel:
@@ -238,7 +239,10 @@ class ScaleCom(Compressor):
             t, index_bytes=exchanges * k * self.config.index_itemsize(numel), value_bytes=k * values.element_size(),
             uncompressed_bytes=dense_bytes, index_wait_seconds=waited,
             compress_seconds=time.perf_counter() - start - waited)
-        version = None if tensor.is_inference() else tensor._version  # (inference tensors have none)
+        # The version counter tells a change in place before decompress where the gradient owns its
+        # storage (a view shares its base's counter with every other view: no evidence of a change to it).
+        owns = tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == numel * tensor.element_size()
+        version = tensor._version if owns and not tensor.is_inference() else None  # (inference: no counter)
         return values, (slot, t, indices, tensor, taken, sending, advanced, version)
 
     def decompress(self, tensor, ctx):
@@ -255,7 +259,8 @@ class ScaleCom(Compressor):
             raise RuntimeError(
                 f"the gradient of {slot.name!r} was changed in place between backward() and the "
                 f"optimizer's synchronize(): change gradients (clipping, unscaling) only after "
-                f"optimizer.synchronize(), then step inside optimizer.skip_synchronize()")
+                f"optimizer.synchronize(), then step inside optimizer.skip_synchronize(). This step "
+                f"cannot be completed (the memory is kept; the gradient's buffer is not)")
         sent = _as_dtype(taken.values, self._value_dtype or grad.dtype)  # as this rank sent them
         if advanced:  # the buffers trade places: the gradient's becomes the memory, and vice versa
             out, slot.memory, updated = clt_k.filter_and_scatter_advanced(
@@ -325,9 +330,8 @@ class ScaleCom(Compressor):
                                           and math.isfinite(scale) and scale > 0):
                 raise ValueError(f"state scale of {name!r} must be a positive number or None, got {scale!r}")
             memory = entry.get("memory")
-            if memory is not None:  # flat, in the dtype compress keeps it in, on the parameter's device
-                memory = memory.detach().reshape(-1).to(device=param.device,
-                                                        dtype=clt_k.memory_dtype(param.dtype), copy=True)
+            if memory is not None:
+                memory = as_memory_of(memory, param)
             ahead = None
             if "next_indices" in entry:
                 t, indices = check_next_indices(
@@ -376,7 +380,7 @@ class ScaleCom(Compressor):
         self._agreed = True
         check_agreement("ScaleCom", summary, self._process_set,
                         {"parameter_digest": "(parameter_digest covers the names and shapes of "
-                                             "named_parameters.)"}, stall=self._stall)
+                                             "named_parameters.)"}, stall=stall_times())  # (timeout= is for indices)
 
     def _index_dtype(self, numel):
         return _TORCH_DTYPES[self.config.index_dtype_for(numel)]
@@ -427,7 +431,7 @@ class ScaleCom(Compressor):
     def _drop_stale(self, slot, rank, size):
         t = slot.expected
         slot.excluded = True
-        slot.expected = None
+        slot.expected = slot.ahead_for = None
         if slot.posted is not None:  # a receive, or a pipelined leader's own broadcast
             handle = slot.posted[1]
             slot.posted = None

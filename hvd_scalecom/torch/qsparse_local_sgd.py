@@ -43,7 +43,7 @@ from hvd_scalecom.agreement import shapes_digest
 from hvd_scalecom.baseline_config import QsparseConfig
 from hvd_scalecom.torch import clt_k
 from hvd_scalecom.config import check_int
-from hvd_scalecom.torch.common import (check_agreement, check_process_set, check_state_entry,
+from hvd_scalecom.torch.common import (as_memory_of, check_agreement, check_process_set, check_state_entry,
                                        named_parameter_list, stall_times, tensors_digest)
 from hvd_scalecom.torch.qsparse_steps import compress_delta_, decode, mean_of_sparse, payload_dtypes
 from hvd_scalecom.traffic import TrafficMeter, allgather_bytes_sent, allreduce_bytes_sent
@@ -234,10 +234,10 @@ class QsparseLocalSGD(torch.optim.Optimizer):
         self._last_sync = mine.get("last_sync")
         # x_last and the memories as the first step makes them: fp32 at least, on the parameter's device
         if have_shared == {True}:
-            self._shared = [_kept(params[n]["shared"], p).reshape(-1) for n, p in zip(self._names, self._params)]
+            self._shared = [as_memory_of(params[n]["shared"], p) for n, p in zip(self._names, self._params)]
         else:
             self._shared = None
-        self._memory = [None if params[n].get("memory") is None else _kept(params[n]["memory"], p).reshape(1, -1)
+        self._memory = [None if params[n].get("memory") is None else as_memory_of(params[n]["memory"], p).reshape(1, -1)
                         for n, p in zip(self._names, self._params)]
         self._generator.set_state(mine["generator"])
 
@@ -350,12 +350,6 @@ class QsparseLocalSGD(torch.optim.Optimizer):
 
 
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _kept(saved, param):
-    """A saved tensor of ``param``'s state as this wrapper keeps it: a copy in the memory dtype (fp32 at
-    least) on the parameter's device."""
-    return saved.detach().to(device=param.device, dtype=clt_k.memory_dtype(param.dtype), copy=True)
 
 
 def _checksum(tensors):

@@ -31,7 +31,6 @@ scales the applied update (the paper's ``v <- v + lr u`` with a constant learnin
 :meth:`SketchedSGD.check_optimizer` raises if it is not.
 """
 
-import functools
 import time
 import warnings
 
@@ -43,11 +42,11 @@ from hvd_scalecom.agreement import shapes_digest
 from hvd_scalecom.baseline_config import SketchedSGDConfig
 from hvd_scalecom.state import checked_params
 from hvd_scalecom.torch import clt_k
-from hvd_scalecom.torch.common import (GradientLookup, check_agreement, check_process_set,
+from hvd_scalecom.torch.common import (GradientLookup, as_memory_of, check_agreement, check_process_set,
                                       check_state_entry, named_parameter_list, stall_times)
 from hvd_scalecom.torch.sketch import CountSketch
 from hvd_scalecom.torch.sketched_steps import (accumulate_, applied_update, heavy_candidates,
-                                               select_applied, zero_applied_)
+                                               select_applied, vector_dtype, zero_applied_)
 from hvd_scalecom.traffic import TrafficMeter, allreduce_bytes_sent
 
 SKETCH_NAME = "sketched_sgd.sketch"
@@ -261,9 +260,7 @@ class SketchedSGD(Compressor):
                 raise ValueError(f"state of {name!r} has momentum or error but not both")
         self._steps = [int(params[name]["step"]) for name in self._names]
         # every tensor as the first step makes it: fp32 at least, on the parameter's device
-        self._dense_u = {i: params[n]["momentum"].detach().reshape(-1).to(
-                             self._params[i].device, clt_k.memory_dtype(self._params[i].dtype), copy=True)
-                         for i, n in enumerate(self._names)
+        self._dense_u = {i: as_memory_of(params[n]["momentum"], self._params[i]) for i, n in enumerate(self._names)
                          if i not in self._offset and params[n].get("momentum") is not None}
         if self._sketched and all(sketched_state):
             device = self._params[self._sketched[0]].device
@@ -310,8 +307,7 @@ class SketchedSGD(Compressor):
         return self._dense_u[i]
 
     def _sketched_dtype(self):
-        """The sketched vector's dtype: fp32, or wider where a sketched parameter is (float64)."""
-        return functools.reduce(torch.promote_types, [self._params[i].dtype for i in self._sketched], torch.float32)
+        return vector_dtype([self._params[i].dtype for i in self._sketched])
 
     def _buffers(self, tensor):
         if self._u is None:

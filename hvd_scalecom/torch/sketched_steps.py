@@ -16,6 +16,8 @@ and a one-process simulation call the same functions around their own "allreduce
 No Horovod import, so these serve the simulator too.
 """
 
+import functools
+
 import torch
 
 from hvd_scalecom.torch import clt_k
@@ -56,3 +58,9 @@ def zero_applied_(u, v, indices):
     """Step 5: zero the applied coordinates of the momentum and the error accumulation (last axis)."""
     u[..., indices] = 0.0
     v[..., indices] = 0.0
+
+
+def vector_dtype(dtypes):
+    """The dtype of the sketched vector's momentum and error (u, v) for gradients of ``dtypes``: fp32,
+    or wider where one is (float64)."""
+    return functools.reduce(torch.promote_types, dtypes, torch.float32)
