@@ -516,9 +516,14 @@ def may_advance(memory, grad):
     """Whether :func:`take_advancing_` applies to this memory and gradient: both contiguous fp32 CPU
     tensors of the same size, at least ``_ADVANCE_MIN_NUMEL`` entries, ``grad`` the whole of its
     storage (it will become the memory's) and not requiring grad, and the C kernels available."""
-    return (grad.numel() >= _ADVANCE_MIN_NUMEL and grad.storage_offset() == 0
-            and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
+    return (grad.numel() >= _ADVANCE_MIN_NUMEL and owns_storage(grad)
             and not grad.requires_grad and _native_pair(memory, grad))
+
+
+def owns_storage(tensor):
+    """Whether ``tensor`` is the whole of its storage (no view of a larger buffer, none sharing its
+    version counter with other views)."""
+    return tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
 
 
 def take_advancing_(memory, grad, indices, beta, marks=None):

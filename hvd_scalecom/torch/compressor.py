@@ -241,8 +241,8 @@ class ScaleCom(Compressor):
             compress_seconds=time.perf_counter() - start - waited)
         # The version counter tells a change in place before decompress where the gradient owns its
         # storage (a view shares its base's counter with every other view: no evidence of a change to it).
-        owns = tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == numel * tensor.element_size()
-        version = tensor._version if owns and not tensor.is_inference() else None  # (inference: no counter)
+        owned = clt_k.owns_storage(tensor) and not tensor.is_inference()  # (inference: no counter)
+        version = tensor._version if owned else None
         return values, (slot, t, indices, tensor, taken, sending, advanced, version)
 
     def decompress(self, tensor, ctx):
