@@ -18,7 +18,7 @@ import torch
 from hvd_scalecom.launch import HorovodRunError
 from hvd_scalecom.sim import QsparseLocalSGD as SimQsparse
 from hvd_scalecom.sim import Simulator
-from hvd_scalecom.torch.qsparse_steps import compress_delta_, decode, encode, mean_of_sparse
+from hvd_scalecom.torch.qsparse_steps import compress_delta, decode, encode, mean_of_sparse
 from hvd_scalecom.torch.quantize import qsgd_top_k, sign_top_k
 from reference import QsparseReference
 from test_torch_sketched_sgd import add_run, completed, shared_job
@@ -44,6 +44,10 @@ add_run("np2_reload", "qsparse_partial_reload", "torch_seed_qsparse.py",
         {"operator": "top_k", "local_steps": 2, "ratio": 0.05, "min_numel": 600, "steps": 6,
          "reload": {"save_at": 1, "load_at": 3, "rank": 1}},
         ["test_a_state_restored_on_one_rank_alone_is_an_error_on_every_rank"], fails=True)
+add_run("np2_reload", "qsparse_partial_reload_caught", "torch_seed_qsparse.py",
+        {"operator": "qsgd_top_k", "local_steps": 2, "ratio": 0.05, "min_numel": 600, "steps": 6,
+         "reload": {"save_at": 1, "load_at": 3, "rank": 1, "catch": True}},
+        ["test_a_refused_synchronisation_leaves_the_wrappers_state_as_it_was"])
 add_run("np2_reload_dense", "qsparse_partial_reload_dense", "torch_seed_qsparse.py",  # nothing compressed
         {"operator": "top_k", "local_steps": 2, "ratio": 0.05, "min_numel": 10**6, "steps": 6,
          "reload": {"save_at": 1, "load_at": 3, "rank": 1}},
@@ -243,6 +247,16 @@ def test_a_state_restored_on_one_rank_alone_is_an_error_on_every_rank(job, reque
         assert "every rank must restore the same state" in by_rank[rank]
 
 
+def test_a_refused_synchronisation_leaves_the_wrappers_state_as_it_was(request, tmp_path_factory):
+    """The ValueError of a rank restored alone, caught on every rank: the step counter, x_last, the
+    memories (rows of both compressed tensors by then) and QSGD's generator are those from before the
+    step (only the local optimizer's step was taken)."""
+    job = shared_job("np2_reload", request, tmp_path_factory)
+    for r in completed(job, "qsparse_partial_reload_caught", 2):
+        assert "the ranks synchronise at steps [3, 1]" in str(r["refused"])
+        assert int(r["refused_at"]) == 3 and bool(r["state_unchanged"])
+
+
 # -- in one process: the wire format, the equations against the simulator, bad input, state ------------
 
 def test_wire_format_decodes_to_the_operators_bit_for_bit():
@@ -281,14 +295,14 @@ def test_one_row_at_a_time_equals_all_workers_at_once(operator):
     memory = torch.randn(n, numel, generator=generator)
     drift = torch.randn(n, numel, generator=generator)
     noise = torch.rand(n, k, generator=generator)
-    together = memory.clone()
-    indices, _, _, c = compress_delta_(together, drift, k, operator, 256, noise)
+    before = memory.clone()
+    indices, _, _, c, together = compress_delta(memory, drift, k, operator, 256, noise)
+    assert torch.equal(memory, before)  # the caller adopts the new memories
     rows = []
     for i in range(n):
-        alone = memory[i:i + 1].clone()
-        got = compress_delta_(alone, drift[i:i + 1], k, operator, 256, noise[i:i + 1])
+        got = compress_delta(memory[i:i + 1], drift[i:i + 1], k, operator, 256, noise[i:i + 1])
         assert torch.equal(got[0], indices[i:i + 1]) and torch.equal(got[3], c[i:i + 1])
-        assert torch.equal(alone, together[i:i + 1])
+        assert torch.equal(got[4], together[i:i + 1])
         rows.append(got)
     mean = mean_of_sparse(torch.cat([r[0] for r in rows]), torch.cat([r[3] for r in rows]), numel, n)
     assert torch.equal(mean, mean_of_sparse(indices, c, numel, n))

@@ -34,7 +34,7 @@ from hvd_scalecom.config import ScaleComConfig, check_real
 from hvd_scalecom.sim.base import Scheme
 from hvd_scalecom.sim.traffic import StepRecord
 from hvd_scalecom.torch import clt_k
-from hvd_scalecom.torch.qsparse_steps import compress_delta_, mean_of_sparse
+from hvd_scalecom.torch.qsparse_steps import compress_delta, mean_of_sparse
 
 OPERATORS = QSPARSE_OPERATORS
 
@@ -129,8 +129,8 @@ class QsparseLocalSGD(Scheme):
         noise = None
         if self.operator == "qsgd_top_k":  # one uniform per kept entry, (n, k), only for QSGD
             noise = torch.rand(n, k, generator=self.generator).to(drift.device)
-        indices, _, _, c = compress_delta_(M, drift, k, self.operator, self.levels, noise,
-                                           self.settings.level_dtype())           # steps 1-3, every row
+        indices, _, _, c, self.state[spec.name]["memory"] = compress_delta(
+            M, drift, k, self.operator, self.levels, noise, self.settings.level_dtype())  # steps 1-3, every row
         if self.operator == "top_k":
             value_bits = 32 * k
         elif self.operator == "sign_top_k":

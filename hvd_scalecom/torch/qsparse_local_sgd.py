@@ -45,7 +45,7 @@ from hvd_scalecom.torch import clt_k
 from hvd_scalecom.config import check_int
 from hvd_scalecom.torch.common import (as_memory_of, check_agreement, check_process_set, check_state_entry,
                                        named_parameter_list, stall_times, tensors_digest)
-from hvd_scalecom.torch.qsparse_steps import compress_delta_, decode, mean_of_sparse, payload_dtypes
+from hvd_scalecom.torch.qsparse_steps import compress_delta, decode, mean_of_sparse, payload_dtypes
 from hvd_scalecom.traffic import TrafficMeter, allgather_bytes_sent, allreduce_bytes_sent
 
 PAYLOAD_NAME = "qsparse_local_sgd.payload"
@@ -142,7 +142,10 @@ class QsparseLocalSGD(torch.optim.Optimizer):
                          "groups to the local optimizer before wrapping it")
 
     def step(self, closure=None):
-        """One local step of the wrapped optimizer; every ``local_steps``-th also synchronises."""
+        """One local step of the wrapped optimizer; every ``local_steps``-th also synchronises. Where
+        the ranks synchronise from different steps or models, every rank raises a ValueError, this
+        wrapper's state (step, ``x_last``, memories, QSGD's generator) left as it was before the
+        call; the local optimizer's step has been taken (restore a checkpoint on every rank)."""
         if self._shared is None:
             self._shared = [p.detach().reshape(-1).to(clt_k.memory_dtype(p.dtype), copy=True)
                             for p in self._params]                                  # x_last
@@ -150,9 +153,9 @@ class QsparseLocalSGD(torch.optim.Optimizer):
             self._check_agreement()
         loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
         t = self._step
-        self._step += 1
         if self.config.is_sync_step(t):
-            self._synchronize(t)
+            self._synchronize(t)  # (raises, this wrapper's state unchanged, where the ranks' states differ)
+        self._step = t + 1
         return loss
 
     # -- state and statistics -----------------------------------------------------------------------
@@ -290,18 +293,21 @@ class QsparseLocalSGD(torch.optim.Optimizer):
         # The header: this rank's step and x_last, compared after the allgather (see the module doc).
         chunks = [torch.tensor([t, _checksum(self._shared)], dtype=torch.int64).view(torch.uint8)]
         layout = []
+        new_memory = {}  # adopted once every rank's header has been checked
+        generator_state = self._generator.get_state()  # (restored with the memories if the check fails)
         level_dtype = cfg.level_dtype()
         for i in compressed:
             p, shared = self._params[i], self._shared[i]
             numel, k = p.numel(), cfg.num_selected(p.numel())
-            if self._memory[i] is None:
-                self._memory[i] = torch.zeros(1, numel, dtype=shared.dtype, device=shared.device)
+            memory = self._memory[i]
+            if memory is None:
+                memory = torch.zeros(1, numel, dtype=shared.dtype, device=shared.device)
             drift = (p.detach().reshape(1, -1).to(shared.dtype) - shared)            # x_i - x_last
             noise = None
             if cfg.operator == "qsgd_top_k":  # the shared (n, k) draw; this rank's row
                 noise = torch.rand(n, k, generator=self._generator)[rank:rank + 1].to(shared.device)
-            indices, scale, codes, _ = compress_delta_(self._memory[i], drift, k, cfg.operator, cfg.levels,
-                                                       noise, level_dtype)
+            indices, scale, codes, _, new_memory[i] = compress_delta(memory, drift, k, cfg.operator, cfg.levels,
+                                                                     noise, level_dtype)
             index_dtype, scale_dtype, code_dtype = payload_dtypes(cfg.operator, cfg.index_dtype_for(numel),
                                                                   level_dtype, shared.dtype)
             parts = [indices.to(index_dtype)] + ([] if scale is None else [scale.to(scale_dtype)]) + [codes]
@@ -314,9 +320,16 @@ class QsparseLocalSGD(torch.optim.Optimizer):
         handle = hvd.allgather_async(payload, name=PAYLOAD_NAME, **self._ps_kwargs())
         waited = time.perf_counter()
         gathered = hvd.synchronize(handle).view(n, payload.numel())
+        means = hvd.synchronize(dense_handle) if dense_handle is not None else []
         start += time.perf_counter() - waited
         headers, at = _take(gathered, 0, 2, torch.int64)
-        _check_same_state(headers)
+        try:
+            _check_same_state(headers)
+        except ValueError:
+            self._generator.set_state(generator_state)
+            raise
+        for i, memory in new_memory.items():
+            self._memory[i] = memory
         for i, k, index_dtype, scale_dtype, code_dtype in layout:
             indices, at = _take(gathered, at, k, index_dtype)
             scale = None
@@ -328,12 +341,8 @@ class QsparseLocalSGD(torch.optim.Optimizer):
             self._shared[i].add_(change)                                             # x_new
             scale_bytes = 0 if scale_dtype is None else _itemsize(scale_dtype)
             sizes[i] = (k * _itemsize(index_dtype), scale_bytes + k * _itemsize(code_dtype))
-        if dense_handle is not None:
-            waited = time.perf_counter()
-            means = hvd.synchronize(dense_handle)
-            start += time.perf_counter() - waited
-            for i, mean in zip(dense, means):
-                self._shared[i].add_(mean.to(self._shared[i].dtype) - self._shared[i])
+        for i, mean in zip(dense, means):
+            self._shared[i].add_(mean.to(self._shared[i].dtype) - self._shared[i])
         with torch.no_grad():
             for p, shared in zip(self._params, self._shared):
                 p.copy_(shared.view(p.shape))                                        # restart from x_new

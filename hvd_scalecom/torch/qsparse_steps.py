@@ -5,7 +5,7 @@ Terms: ``x_i`` worker i's local model, ``x_last`` the shared model of the last s
 ``m_i`` worker i's error memory on the model delta. Rows are workers (one row on a Horovod rank).
 
 1. ``delta_i = m_i + (x_i - x_last)``
-2. ``c_i = Q(Top_k(delta_i))``, Q from :mod:`hvd_scalecom.torch.quantize`   (:func:`compress_delta_`)
+2. ``c_i = Q(Top_k(delta_i))``, Q from :mod:`hvd_scalecom.torch.quantize`   (:func:`compress_delta`)
 3. ``m_i <- delta_i - c_i``                                                 (same function)
 4. ``x_new = x_last + mean_i c_i``: the caller gathers every worker's ``(I_i, c_i)`` (:func:`encode`,
    :func:`decode`) and sums them (:func:`mean_of_sparse`)
@@ -33,25 +33,25 @@ from hvd_scalecom.torch.topk import flat_indices, select_top_k_rows
 _INT_DTYPES = {"int8": torch.int8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64}
 
 
-def compress_delta_(memory, drift, k, operator, levels=256, noise=None, level_dtype="int16"):
-    """Steps 1-3 for one tensor of ``rows`` workers, in place on ``memory``.
+def compress_delta(memory, drift, k, operator, levels=256, noise=None, level_dtype="int16"):
+    """Steps 1-3 for one tensor of ``rows`` workers; ``memory`` is left as it is.
 
     memory: ``(rows, numel)`` error memories (fp32 at least); drift: ``(rows, numel)`` ``x_i - x_last``;
     noise: ``(rows, k)`` uniforms in [0, 1) for QSGD's rounding (ignored by the other operators).
-    Returns ``(indices, scale, codes, c)``: ``indices`` ``(rows, k)`` int64 in increasing order, the
-    wire form ``scale`` ``(rows, 1)`` float32 or None and ``codes`` ``(rows, k)``, and ``c = decode(...)``.
+    Returns ``(indices, scale, codes, c, new_memory)``: ``indices`` ``(rows, k)`` int64 in increasing
+    order, the wire form ``scale`` ``(rows, 1)`` float32 or None and ``codes`` ``(rows, k)``,
+    ``c = decode(...)``, and the memories of step 3, a new ``(rows, numel)`` tensor for the caller to
+    adopt (a Horovod rank does once every rank's payload has been checked).
     """
     rows, numel = drift.shape
-    flat_memory = memory.view(-1)
-    delta = clt_k.error_compensated(flat_memory, drift).view(rows, numel)      # delta_i
-    indices = select_top_k_rows(delta, k).sort(dim=1).values                  # Top_k, by position
-    del delta
+    delta = clt_k.error_compensated(memory.view(-1), drift)                   # delta_i, flat
+    indices = select_top_k_rows(delta.view(rows, numel), k).sort(dim=1).values  # Top_k, by position
     flat = flat_indices(indices, rows, numel)
-    kept = clt_k.take_and_filter_memory_(flat_memory, drift, flat, 1.0).view(rows, k)  # m_i = delta_i off I
+    kept = delta.index_select(0, flat).view(rows, k)
     scale, codes = encode(kept, operator, levels, noise, level_dtype)
     c = decode(scale, codes, operator, levels)
-    flat_memory[flat] += (kept - c).reshape(-1)                                # m_i = delta_i - c_i on I
-    return indices, scale, codes, c
+    delta.index_copy_(0, flat, (kept - c).reshape(-1))                         # m_i = delta_i - c_i
+    return indices, scale, codes, c, delta.view(rows, numel)
 
 
 def encode(kept, operator, levels=256, noise=None, level_dtype="int16"):

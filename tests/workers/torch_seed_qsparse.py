@@ -57,6 +57,14 @@ if opts.get("resume_from"):
     else:
         optimizer.load_state_dict(saved["optimizer"])
 
+def same_state(a, b):
+    """Whether two states of the wrapper (state_dict()["qsparse_local_sgd"]) are equal, tensors included."""
+    def equal(x, y):
+        return (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+    return (a["step"] == b["step"] and a["last_sync"] == b["last_sync"] and equal(a["generator"], b["generator"])
+            and all(equal(a["params"][n][key], b["params"][n][key]) for n in a["params"] for key in ("shared", "memory")))
+
+
 record = {}
 first_step = opts.get("first_step", 0)
 for t in range(first_step, first_step + opts.get("steps", 6)):
@@ -71,7 +79,17 @@ for t in range(first_step, first_step + opts.get("steps", 6)):
     torch.nn.functional.cross_entropy(model(x), y).backward()
     for name, p in named:
         record[f"raw/{t}/{name}"] = p.grad.numpy().copy()
-    optimizer.step()
+    if opts.get("reload", {}).get("catch"):  # the refused synchronisation, caught: what it left behind
+        before = copy.deepcopy(optimizer.state_dict()["qsparse_local_sgd"])
+        try:
+            optimizer.step()
+        except ValueError as err:
+            record["refused"] = np.array(str(err))
+            record["refused_at"] = np.array(t)
+            record["state_unchanged"] = np.array(same_state(before, optimizer.state_dict()["qsparse_local_sgd"]))
+            break
+    else:
+        optimizer.step()
     for name, p in named:
         record[f"local/{t}/{name}"] = p.detach().numpy().copy()
     record[f"stats/{t}"] = np.array(json.dumps(optimizer.stats(step=t)))
