@@ -27,8 +27,8 @@ class SketchedSGDConfig:
     """Sketched SGD (Ivkin et al., NeurIPS 2019): what every rank must agree on.
 
     ratio: ``k = sum over sketched tensors of max(1, ceil(ratio * numel))`` coordinates applied per step.
-    rows, columns: the count sketch is ``rows x columns``; ``columns=None`` means ``10 k`` (the ratio of
-        FetchSGD's defaults r = 5, c = 500,000, k = 50,000).
+    rows, columns: the count sketch is ``rows x columns`` (rows odd: the estimate is their median);
+        ``columns=None`` means ``10 k`` (the ratio of FetchSGD's defaults r = 5, c = 500,000, k = 50,000).
     candidates: ``P``: the second round fetches the exact sums of ``P k`` heavy-hitter candidates.
     momentum: ``rho`` of ``u <- rho u + g`` (the compressor's momentum; the user's optimizer has none).
     warmup_steps: steps (from 0) of dense momentum SGD before sketching starts.
@@ -51,6 +51,10 @@ class SketchedSGDConfig:
         object.__setattr__(self, "warmup_steps", shared.warmup_steps)
         object.__setattr__(self, "min_numel", shared.min_numel)
         object.__setattr__(self, "rows", check_int(self.rows, "rows", 1))
+        if self.rows % 2 == 0:  # (torch.median, and the reference code, take the lower middle value)
+            raise ValueError(f"rows must be odd, got {self.rows}: each coordinate is estimated by the median "
+                             f"of its rows, which for an even number of rows is the lower middle value, biased "
+                             f"towards smaller estimates")
         object.__setattr__(self, "columns", check_int(self.columns, "columns", 1, allow_none=True))
         if self.columns is not None and self.columns >= MAX_SKETCH_COLUMNS:
             raise ValueError(f"columns must be below 2**31 (the count sketch's hashes), got {self.columns}")

@@ -109,10 +109,9 @@ class ScaleComConfig:
             raise ValueError(f"leader must be one of {LEADER_POLICIES}, got {self.leader!r}")
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
-        if self.value_dtype not in VALUE_DTYPES:
-            raise ValueError(f"value_dtype must be one of {VALUE_DTYPES}, got {self.value_dtype!r}")
-        if self.index_dtype not in INDEX_DTYPES:
-            raise ValueError(f"index_dtype must be one of {INDEX_DTYPES}, got {self.index_dtype!r}")
+        # dtypes by name, or as the frameworks' dtype objects (torch.float16, tf.int32), as the frontends take them
+        object.__setattr__(self, "value_dtype", check_dtype_name(self.value_dtype, "value_dtype", VALUE_DTYPES))
+        object.__setattr__(self, "index_dtype", check_dtype_name(self.index_dtype, "index_dtype", INDEX_DTYPES))
         if not isinstance(self.pipelined, bool):
             raise TypeError(f"pipelined must be True or False, got {self.pipelined!r}")
         # Normalise numbers so that configs built from 1 and 1.0 (or np.float32(0.1)) compare (and hash)

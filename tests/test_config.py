@@ -59,3 +59,18 @@ def test_numpy_scalars_count_as_the_decimals_they_print_as():
         assert ScaleComConfig(ratio=ratio).num_selected(100) == k
         assert ScaleComConfig(ratio=ratio) == ScaleComConfig(ratio=float(str(ratio)))
     assert ScaleComConfig(beta=np.float32(0.1)).beta == 0.1
+
+
+def test_dtypes_are_taken_by_name_or_as_framework_dtypes_alike():
+    """As the Horovod compressors take them (torch.float16, torch.int32): the simulator's schemes too."""
+    from hvd_scalecom.sim import GlobalTopK, LocalTopK
+
+    named = ScaleComConfig(value_dtype="float16", index_dtype="int64")
+    assert ScaleComConfig(value_dtype=torch.float16, index_dtype=torch.int64) == named
+    for scheme in (SimScaleCom, LocalTopK, GlobalTopK):
+        config = scheme(value_dtype=torch.float16, index_dtype=torch.int64).config
+        assert (config.value_dtype, config.index_dtype) == ("float16", "int64")
+    for kwargs, argument in (({"value_dtype": torch.int8}, "value_dtype"), ({"index_dtype": torch.float32}, "index_dtype"),
+                             ({"index_dtype": None}, "index_dtype")):
+        with pytest.raises(ValueError, match=f"{argument} must be one of"):
+            ScaleComConfig(**kwargs)

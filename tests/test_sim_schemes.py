@@ -383,6 +383,7 @@ def test_count_sketch_hashes_are_computed_not_stored():
 @pytest.mark.parametrize("make, error, argument", [
     (lambda: SketchedSGD(ratio=0), ValueError, "ratio"),
     (lambda: SketchedSGD(rows=0), ValueError, "rows"),
+    (lambda: SketchedSGD(rows=2), ValueError, "rows must be odd"),
     (lambda: SketchedSGD(rows=2.5), TypeError, "rows"),
     (lambda: SketchedSGD(columns=0), ValueError, "columns"),
     (lambda: SketchedSGD(candidates=0), ValueError, "candidates"),
@@ -515,6 +516,24 @@ def test_powersgd(rank):
                                rtol=1e-4, atol=1e-5)
     assert results[-1].diagnostics["residue_norm"] == pytest.approx(
         np.mean(np.linalg.norm(error.reshape(N, -1), axis=1)), rel=1e-4)
+
+
+def test_powersgd_keeps_its_q_through_an_all_zero_gradient():
+    """A step whose gradients are all zero (a zero-initialised layer's first step) would make Q zero, and
+    M Q zero at every later step: Q is kept from before it, and the later steps compress as usual."""
+    zero = [{name: np.zeros(shape, np.float32) for name, shape in SHAPES.items()} for _ in range(N)]
+    grads = [zero] + make_grads(steps=3)
+    _, results = simulate(PowerSGD(rank=2, min_numel=MIN_NUMEL, seed=3), grads)
+    Q = torch.randn(5, 2, generator=torch.Generator().manual_seed(3 * 100_003)).double().numpy()
+    assert not results[0].update[0].any()
+    for t, result in enumerate(results[1:], 1):  # no error fed back from the zero step
+        M = np.array([g["w"] for g in grads[t]], dtype=np.float64) + (error if t > 1 else 0.0)
+        P_hat = np.linalg.qr(np.mean([M[i] @ Q for i in range(N)], axis=0))[0]
+        Q = np.mean([M[i].T @ P_hat for i in range(N)], axis=0)
+        approx = P_hat @ Q.T
+        error = M - approx
+        np.testing.assert_allclose(result.update[0].numpy(), approx, rtol=1e-4, atol=1e-5, err_msg=f"step {t}")
+        assert np.linalg.matrix_rank(result.update[0].numpy(), tol=1e-4) == 2
 
 
 def test_powersgd_on_float64_gradients_keeps_float64_factors():

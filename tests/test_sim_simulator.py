@@ -62,6 +62,13 @@ def test_bad_inputs_are_refused():
         sim.step_stacked([torch.zeros(3, *p.shape) for p in model.parameters()])
     with pytest.raises(TypeError):
         sim.step_stacked([torch.zeros(4, *p.shape, dtype=torch.int64) for p in model.parameters()])
+    scheme = ScaleCom(ratio=0.2, min_numel=0)
+    first = Simulator(scheme, 4, model.named_parameters())
+    first.step_stacked(stacked_grads(model, 4, 0))
+    memory = {name: entry["memory"].clone() for name, entry in scheme.state.items()}
+    with pytest.raises(ValueError, match="already simulated by another Simulator: make a new ScaleCom"):
+        Simulator(scheme, 4, model.named_parameters())
+    assert all(torch.equal(scheme.state[name]["memory"], m) for name, m in memory.items())  # untouched
 
 
 @pytest.mark.parametrize("index", range(11))
@@ -174,22 +181,48 @@ def test_per_worker_gradients_match_one_backward_per_worker():
             torch.testing.assert_close(g[i], w, rtol=1e-5, atol=1e-6)
 
 
-def test_local_sgd_keeps_a_model_per_worker_and_the_caller_the_shared_one():
+def test_per_worker_gradients_of_a_simulator_given_some_of_the_parameters():
+    """Frozen first layer left out of the Simulator: with names=sim.names the gradients are those of
+    the parameters it holds; without, or with worker_params that do not fit, a ValueError."""
     model = mlp([6, 16, 3])
+    model[0].requires_grad_(False)
+    held = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    sim = Simulator(Dense(), 3, held)
+    x, y = torch.randn(3, 8, 6), torch.randint(0, 3, (3, 8))
+    loss = torch.nn.functional.cross_entropy
+    got = per_worker_gradients(model, loss, sim.worker_params(), x, y, names=sim.names)
+    for i in range(3):
+        want = torch.autograd.grad(loss(model(x[i]), y[i]), [p for _, p in held])
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g[i], w, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"2 worker_params for 4 parameters .*names=sim.names"):
+        per_worker_gradients(model, loss, sim.worker_params(), x, y)
+    with pytest.raises(ValueError, match=r"worker_params of '2.weight' have shape \(3, 3\)"):
+        per_worker_gradients(model, loss, sim.worker_params()[::-1], x, y, names=sim.names)
+    with pytest.raises(ValueError, match="'nope', which is not a parameter"):
+        per_worker_gradients(model, loss, sim.worker_params(), x, y, names=["nope", "2.bias"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_local_sgd_keeps_a_model_per_worker_and_the_caller_the_shared_one(dtype):
+    """The caller's copy is x_last rounded to the parameters' dtype, as each worker's (bf16: where
+    adding the rounded changes sync after sync would drift away from it)."""
+    model = mlp([6, 16, 3]).to(dtype)
     scheme = QsparseLocalSGD(lr=0.1, local_steps=3, ratio=0.2, operator="sign_top_k", min_numel=0)
     sim = Simulator(scheme, 4, model.named_parameters())
-    x = torch.randn(4, 8, 6)
+    x = torch.randn(4, 8, 6, dtype=dtype)
     y = torch.randint(0, 3, (4, 8))
-    for t in range(6):
+    for t in range(30):
         grads = per_worker_gradients(model, torch.nn.functional.cross_entropy, sim.worker_params(), x, y)
         sim.step_stacked(grads).apply_to(model.parameters())
         local = sim.worker_params()
         if (t + 1) % 3:
             assert not torch.equal(local[0][0], local[0][1])  # the workers drift apart between syncs
         else:
-            for p, w in zip(model.parameters(), local):
+            for p, w, shared in zip(model.parameters(), local, sim.scheme.shared_params()):
                 assert torch.equal(w[0], w[3])  # everyone restarts from x_new ...
-                torch.testing.assert_close(p.detach(), w[0], rtol=0, atol=1e-6)  # ... the caller's model
+                assert torch.equal(p.detach(), w[0])  # ... the caller's model
+                assert torch.equal(p.detach(), shared.to(dtype))
 
 
 @pytest.mark.parametrize("index", range(11))

@@ -102,7 +102,7 @@ add_run("np2_second", "sketched_sum_second", "torch_seed_sketched.py",
                       "resume_from": str(root / "sketched_sum_first")},
         ["test_sum_op_groups_accumulation_and_checkpoint_round_trip"])
 add_run("np2_first", "sketched_disagreeing", "torch_seed_sketched.py",
-        {**BASE, "steps": 2, "per_rank": {"1": {"rows": 4}}},
+        {**BASE, "steps": 2, "per_rank": {"1": {"rows": 5}}},
         ["test_ranks_configured_differently_all_raise"], fails=True)
 
 
@@ -286,7 +286,7 @@ def test_ranks_configured_differently_all_raise(request, tmp_path_factory):
     by_rank = rank_sections(str(job["error"]))
     for rank in (0, 1):
         assert "SketchedSGD is configured differently on different ranks (rows differ)" in by_rank[rank]
-        assert "rank 0: rows=3; rank 1: rows=4" in by_rank[rank]
+        assert "rank 0: rows=3; rank 1: rows=5" in by_rank[rank]
 
 
 # -- in one process: bad input, state, the probe --------------------------------------------------------
@@ -300,6 +300,7 @@ def small_model():
     ({"ratio": 0}, ValueError, "ratio"),
     ({"ratio": "0.1"}, ValueError, "ratio"),
     ({"rows": 0}, ValueError, "rows"),
+    ({"rows": 4}, ValueError, "rows must be odd"),
     ({"rows": 2.5}, TypeError, "rows"),
     ({"columns": 0}, ValueError, "columns"),
     ({"columns": "wide"}, TypeError, "columns"),

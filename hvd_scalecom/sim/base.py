@@ -8,8 +8,9 @@ Its state (residue memories and the like) is per worker, one row each, in ``stat
 ``kind`` says what the update is:
 
 * ``"gradient"``: the aggregated gradient, handed to the caller's optimizer (every synchronous scheme);
-* ``"model"``: the change of the shared model; the scheme runs the workers' local optimizer itself and
-  holds a model copy per worker (local SGD: Qsparse-local-SGD).
+* ``"model"``: the change of the shared model; the scheme runs the workers' local optimizer itself,
+  holds a model copy per worker (local SGD: Qsparse-local-SGD), and gives the shared model itself
+  (``shared_params()``), which the caller's copy takes at every step.
 """
 
 import dataclasses

@@ -3,7 +3,10 @@
 Per matrix-shaped gradient (viewed as ``shape[0] x prod(shape[1:])``), with error feedback ``e_i``:
 ``M_i = g_i + e_i``; ``P = mean_i M_i Q`` (allreduce 1); ``P_hat = orthogonalise(P)``;
 ``Q <- mean_i M_i^T P_hat`` (allreduce 2); every worker applies ``P_hat Q^T``; ``e_i <- M_i - P_hat Q^T``.
-``Q`` is kept for the next step (warm start); it starts i.i.d. standard normal from a shared seed.
+``Q`` is kept for the next step (warm start); it starts i.i.d. standard normal from a shared seed. A
+``Q`` with a column of zeros (all-zero gradients: a zero-initialised layer's first step, a parameter
+without a gradient) or a non-finite entry is not kept, since ``M Q`` would then stay zero in that column
+at every later step: the next step starts from the previous ``Q`` again.
 Vectors (biases), tensors below ``min_numel`` and matrices where rank r would not compress
 (``(rows + cols) r >= rows cols``) are allreduced densely. (PyTorch's PowerSGD hook asks more by
 default: its ``min_compression_rate=2`` wants ``(rows + cols) r`` at most half of ``rows cols``.)
@@ -59,7 +62,8 @@ class PowerSGD(Scheme):
         Q = mean_over_workers(right_factor(M, P))                             # allreduce 2
         applied = approximation(P, Q)
         error.copy_((M - applied).view(n, -1))                                # e_i = M_i - P_hat Q^T
-        entry["q"] = Q                                                        # warm start
+        if bool(torch.isfinite(Q).all()) and bool(Q.abs().amax(dim=0).gt(0).all()):
+            entry["q"] = Q                                                    # warm start
         record.add("allreduce", "value", spec.name, rows * self.rank, dtype_name(error.dtype))
         record.add("allreduce", "value", spec.name, cols * self.rank, dtype_name(error.dtype))
         return applied.reshape(-1).to(G.dtype)

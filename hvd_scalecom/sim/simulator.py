@@ -28,26 +28,31 @@ class StepResult:
         every worker's optimizer applies; for ``kind == "model"`` the change of the shared model.
     traffic: the step's collectives and bytes (:class:`hvd_scalecom.sim.traffic.StepRecord`).
     diagnostics: scheme-specific figures, e.g. ``residue_norm``, ``overlap`` (ScaleCom).
+    model: for ``kind == "model"``, the shared model after the step (one tensor per parameter, in
+        the scheme's dtype: fp32 at least); None otherwise.
     """
 
     update: list
     traffic: StepRecord
     diagnostics: dict
     kind: str
+    model: list = None
 
     def apply_to(self, params, optimizer=None):
         """Apply the update to ``params`` (the caller's single copy of the model).
 
         Gradient kind: sets each ``p.grad`` to the update and runs ``optimizer.step()`` if one is given.
-        Model kind: adds the update to each parameter (the workers' optimizer ran inside the scheme).
+        Model kind: sets each parameter to the shared model (the workers' optimizer ran inside the
+        scheme), rounded to the parameter's dtype as each worker's copy is: with fp16 or bf16
+        parameters, adding the rounded changes step after step would drift away from it.
         """
         params = list(params)
         if len(params) != len(self.update):
             raise ValueError(f"got {len(params)} parameters for {len(self.update)} updates")
         with torch.no_grad():
-            for p, u in zip(params, self.update):
+            for j, (p, u) in enumerate(zip(params, self.update)):
                 if self.kind == "model":
-                    p.add_(u.to(p.dtype))
+                    p.copy_(self.model[j].view(p.shape))
                 else:
                     p.grad = u.to(p.dtype).clone()
         if optimizer is not None and self.kind == "gradient":
@@ -76,6 +81,9 @@ class Simulator:
     def __init__(self, scheme, n_workers, named_parameters, *, diagnostics=True, device=None):
         if not isinstance(scheme, Scheme):
             raise TypeError(f"scheme must be a hvd_scalecom.sim Scheme, got {type(scheme).__name__}")
+        if scheme.specs is not None:  # (its state, the workers' memories, belongs to that Simulator)
+            raise ValueError(f"scheme is already simulated by another Simulator: make a new "
+                             f"{type(scheme).__name__} for each Simulator")
         check_int(n_workers, "n_workers", 1)
         pairs = named_parameter_list(named_parameters, "Simulator")
         self.names = [name for name, _ in pairs]
@@ -141,7 +149,10 @@ class Simulator:
         entry.update({k: v for k, v in diagnostics.items() if isinstance(v, (int, float, bool))})
         self.history.append(entry)
         self.step_count += 1
-        return StepResult(update, record, diagnostics, self.scheme.kind)
+        model = None
+        if self.scheme.kind == "model":  # (a copy: the scheme's x_last changes at later steps)
+            model = [shared.clone() for shared in self.scheme.shared_params()]
+        return StepResult(update, record, diagnostics, self.scheme.kind, model)
 
     def totals(self):
         """Byte counts summed over all steps so far (per worker), and the overall ``ratio``."""

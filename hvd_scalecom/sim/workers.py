@@ -4,13 +4,16 @@ import torch
 from torch.func import functional_call, grad, vmap
 
 
-def per_worker_gradients(model, loss_fn, worker_params, inputs, targets):
+def per_worker_gradients(model, loss_fn, worker_params, inputs, targets, names=None):
     """Per parameter, the ``(n, *shape)`` gradients of ``n`` workers, each on its own batch.
 
-    worker_params: ``Simulator.worker_params()`` (one ``(n, *shape)`` tensor per parameter, in
-        ``model.named_parameters()`` order).
+    worker_params: ``Simulator.worker_params()`` (one ``(n, *shape)`` tensor per parameter).
     inputs, targets: ``(n, batch, ...)``, worker i's batch in row i.
     loss_fn: ``loss_fn(model_output, targets) -> scalar``.
+    names: the model's parameters that ``worker_params`` hold, in order (``Simulator.names``); default:
+        all of ``model.named_parameters()``. Parameters left out (say, frozen layers the Simulator was
+        not given) keep the model's own values and get no gradient. ValueError where the count or a
+        shape does not match.
     Buffers are the model's own, shared by all workers and read only: a model that updates them in
     its forward pass (batch norm in training mode) is refused; call ``model.eval()`` first.
     """
@@ -18,7 +21,18 @@ def per_worker_gradients(model, loss_fn, worker_params, inputs, targets):
                               for m in model.modules()):
         raise ValueError("per_worker_gradients: the model's batch norm layers update their running "
                          "statistics in training mode, which the workers cannot share; call model.eval()")
-    names = [name for name, _ in model.named_parameters()]
+    own = dict(model.named_parameters())
+    names = list(own) if names is None else list(names)
+    worker_params = list(worker_params)
+    if len(worker_params) != len(names):
+        raise ValueError(f"per_worker_gradients: {len(worker_params)} worker_params for {len(names)} parameters "
+                         f"(a Simulator given only some of the model's parameters: pass names=sim.names)")
+    for name, stacked in zip(names, worker_params):
+        if name not in own:
+            raise ValueError(f"per_worker_gradients: names holds {name!r}, which is not a parameter of the model")
+        if tuple(stacked.shape[1:]) != tuple(own[name].shape):
+            raise ValueError(f"per_worker_gradients: worker_params of {name!r} have shape {tuple(stacked.shape)}, "
+                             f"the parameter {tuple(own[name].shape)} (expected (n, *shape), in the order of names)")
     buffers = dict(model.named_buffers())
 
     def loss_of(params, x, y):
