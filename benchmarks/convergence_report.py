@@ -367,8 +367,9 @@ def horovod_table(results):
     from benchmarks.convergence_horovod import first_difference
 
     lines = ["| scheme | horovodrun accuracy | same command again | simulator | horovodrun loss (last "
-             "epoch) | again | simulator | first epoch where job and simulator differ | ... where the "
-             "two jobs differ | payload B/step, horovodrun | simulator | job wall time |",
+             "epoch) | again | simulator | first epoch where job and simulator differ (accuracy, or loss "
+             "by more than 1e-4 + 1 %) | ... where the two jobs differ (the same rule) | payload B/step, "
+             "horovodrun | simulator | job wall time |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in results.get("horovod", []):
         h, s, again = row["horovod"], row["simulator"], row.get("horovod_again")

@@ -115,6 +115,24 @@ def _peak(results, task, scheme, n, variant=None):
     return max(values) if values else float("nan"), (s or {}).get("final", float("nan"))
 
 
+def _beyond_rule(job, again):
+    """Where two jobs first differ by the table's rule (``first_difference``), in words."""
+    from benchmarks.convergence_horovod import first_difference
+
+    epoch = first_difference(job, again)
+    return f"epoch {epoch}" if epoch else "no epoch"
+
+
+def _trend(results, task, scheme, n):
+    """The residue norm's last-quarter mean against the previous quarter's, in words."""
+    r = rep.one(results, task=task, scheme=scheme, n=n)
+    growth = rep.residue_stats(r)["growth"] if r else float("nan")
+    if not growth == growth:
+        return "not recorded"
+    trend = "falling" if growth < 0.95 else "flat" if growth <= 1.05 else "still rising"
+    return f"{growth:.2f}x the previous quarter's ({trend})"
+
+
 def _overlap(results, task, scheme, n):
     r = rep.one(results, task=task, scheme=scheme, n=n)
     o = rep.overlap_stats(r, 0) if r else None
@@ -163,9 +181,10 @@ def analysis(results, crit):
         "what explodes. With beta 0.1 the memory keeps only a tenth of each unsent gradient (off I, "
         "m += 0.1 g) and 90 % of its old value on the entries just sent (which are therefore sent "
         "again), so p_i is mostly the worker's fresh gradient: lower "
-        "overlap, bounded residue (peak "
+        "overlap, a residue that stays small (peak "
         f"{_peak(R, 'digits', 'scalecom', 64)[0]:.2g} on digits, {_peak(R, 'charlm', 'scalecom', 64)[0]:.2g} "
-        "on the LM at n = 64, flat or falling in the last quarter). The figures show both over training.",
+        f"on the LM at n = 64; its last-quarter mean is {_trend(R, 'digits', 'scalecom', 64)} on digits "
+        f"and {_trend(R, 'charlm', 'scalecom', 64)} on the LM). The figures show both over training.",
         f"* **On the language model ScaleCom loses to the top-k schemes at the same k.** At n = 64: "
         f"ScaleCom {m('charlm', 'scalecom', 64)} (beta 0.1) and {m('charlm', 'scalecom_b1', 64)} "
         f"(beta 1) against global top-k {m('charlm', 'global_topk', 64)}, local top-k "
@@ -379,7 +398,7 @@ def _horovod_text(results):
         + (f"; at epoch {first} they part, and end at {100 * job['accuracy']:.2f}% against "
            f"{100 * sim['accuracy']:.2f}% after epoch {epochs}" if first else "") + ". "
         + ("Two runs of the same job are not bit-identical either: their printed losses first differ "
-           f"at epoch {jobs_loss}, most likely because Horovod fuses tensors into buffers as they become "
+           f"at epoch {jobs_loss} ({_beyond_rule(job, again)} by the table's rule), most likely because Horovod fuses tensors into buffers as they become "
            "ready, and an entry's place in a fused buffer decides the order of the ring's sums; "
            "training then amplifies such rounding "
            "differences. " if jobs_loss else "")

@@ -82,6 +82,8 @@ def summarize_rank(records, steps, warmup):
     last_mean = float(norm[last_q].mean()) if last_q.any() else float("nan")
     losses = [r["loss"] for r in records if r["loss"] is not None]
     last = records[-1]["stats"]
+    rises = np.diff(rss[warm:])  # between consecutive records after warm-up
+    rise_at = int(np.argmax(rises)) + warm if len(rises) else warm
     return {
         "warm_step": int(at[warm]),
         "rss_start_mb": float(rss[0]),
@@ -91,6 +93,8 @@ def summarize_rank(records, steps, warmup):
         "rss_growth_mb": float(rss[-1] - rss[warm]),
         "rss_growth_pct": float(100 * (rss[-1] - rss[warm]) / rss[warm]),
         "rss_slope_mb_per_1000_steps": rss_slope(at[half], rss[half]),
+        "rss_largest_rise_mb": float(rises.max()) if len(rises) else 0.0,
+        "rss_largest_rise_steps": [int(at[rise_at]), int(at[min(rise_at + 1, len(at) - 1)])],
         "residue_norm_max": float(norm.max()),
         "residue_norm_final": float(norm[-1]),
         "residue_norm_quarter_ratio": _ratio(last_mean, prev_mean),
@@ -213,22 +217,25 @@ def markdown(result, png_name):
         "## Figures per rank",
         "",
         "| rank | RSS start (MB) | RSS after warm-up (MB) | RSS end (MB) | growth (MB) | growth (%) "
-        "| slope, 2nd half (MB / 1,000 steps) | residue norm max | final | quarter ratio "
+        "| slope, 2nd half (MB / 1,000 steps) | largest rise between two records (MB, steps) "
+        "| residue norm max | final | quarter ratio "
         "| objects the garbage collector tracks, warm / end | loss first / last |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for rank, r in enumerate(ranks):
         lines.append(
             f"| {rank} | {r['rss_start_mb']:.1f} | {r['rss_warm_mb']:.1f} | {r['rss_end_mb']:.1f} | "
             f"{r['rss_growth_mb']:+.2f} | {r['rss_growth_pct']:+.2f} | "
-            f"{r['rss_slope_mb_per_1000_steps']:+.3f} | {r['residue_norm_max']:.4g} | "
+            f"{r['rss_slope_mb_per_1000_steps']:+.3f} | {r['rss_largest_rise_mb']:+.2f} "
+            f"({r['rss_largest_rise_steps'][0]:,} to {r['rss_largest_rise_steps'][1]:,}) | {r['residue_norm_max']:.4g} | "
             f"{r['residue_norm_final']:.4g} | {r['residue_norm_quarter_ratio']:.3f} | "
             f"{r['python_objects_warm']:,} / {r['python_objects_end']:,} | "
             f"{r['loss_first']:.4g} / {r['loss_last']:.4g} |")
     r0 = ranks[0]
     lines += [
         "",
-        f"RSS after warm-up is the record at step {r0['warm_step']}; the slope is a least-squares fit "
+        f"RSS after warm-up is the record at step {r0['warm_step']}; records come every "
+        f"{result['every']} steps; the slope is a least-squares fit "
         f"over the records from step {result['steps'] // 2} on; the quarter ratio compares the mean "
         f"residue norm over steps ({3 * result['steps'] // 4}, {result['steps']}] with that over "
         f"({result['steps'] // 2}, {3 * result['steps'] // 4}]. Rank 0 handed "

@@ -27,8 +27,8 @@ Decisions that depend on the step are graph conditionals with static shapes on e
   allreduce instead of preceding it. A step finds no indices waiting (the first compressed step, a
   state restored without them) and exchanges fresh ones instead.
 * warm-up: the tensor Horovod reduces is always the k-sized value vector. During warm-up steps
-  ScaleCom averages the whole gradient itself (``hvd.allreduce``, ``Average``) and Horovod's allreduce
-  carries k zeros; ``decompress`` returns the dense average.
+  ScaleCom reduces the whole gradient itself (``hvd.allreduce`` with its ``op``, ``Average`` by
+  default) and Horovod's allreduce carries k zeros; ``decompress`` returns the dense result.
 
 Which variable a gradient belongs to: Horovod's tape reduces the gradients in the order of the
 ``sources`` given to ``gradient()``. ScaleCom assigns the n-th gradient compressed in one traced graph
@@ -466,7 +466,8 @@ class ScaleCom(tf.Module, Compressor):
 
         Returns a dict with ``step``, ``index_bytes``, ``value_bytes``, ``dense_bytes``, ``sent_bytes``,
         ``uncompressed_bytes``, ``ratio`` (uncompressed / sent), ``compress_seconds``,
-        ``index_wait_seconds`` and ``tensors``, and ``total``: the same since this object was built
+        ``index_wait_seconds``, ``tensors`` and ``nonfinite_skips`` (tensor-steps whose memory update
+        a non-finite reduction skipped, since this object was built), and ``total``: the same since this object was built
         (or last loaded by ``load_state_dict``; a ``tf.train.Checkpoint`` restore brings back the saved
         run's tallies with its steps). Bytes follow from the configuration and the step counters; during warm-up
         ``dense_bytes`` also counts the k zero values Horovod's allreduce carries.

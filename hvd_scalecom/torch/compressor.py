@@ -291,7 +291,8 @@ class ScaleCom(Compressor):
 
         Returns a dict with ``step``, ``index_bytes``, ``value_bytes``, ``dense_bytes``, ``sent_bytes``,
         ``uncompressed_bytes``, ``ratio`` (uncompressed / sent), ``compress_seconds``,
-        ``index_wait_seconds`` and ``tensors``, and ``total``: the same over all steps so far.
+        ``index_wait_seconds``, ``tensors`` and ``nonfinite_skips`` (tensor-steps whose memory update a
+        non-finite reduction skipped, over all steps), and ``total``: the same over all steps so far.
         """
         if step is None:
             reduced = [s.step for s in self._slots if s.step > 0]
