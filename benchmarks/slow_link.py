@@ -7,11 +7,15 @@ a token bucket; writes the "Slow link" section of docs/performance.md and docs/s
 
 For every rate the benchmark makes its own namespace (``ip netns add``), brings its loopback up with
 a 9000-byte MTU (so that the token bucket holds whole packets), shapes it with ``tc qdisc add dev lo
-root tbf rate RATE burst ... latency ...``, runs ``ip netns exec NAME horovodrun -np N -H
+root tbf rate RATE burst BURST latency ...``, runs ``ip netns exec NAME horovodrun -np N -H
 localhost:N --gloo`` with one thread per worker, and removes the namespace when done (also on
-errors). All workers' traffic shares the one shaped loopback, like workers behind a single link.
-Without root, without ``ip``/``tc``, or where ``ip netns add`` fails, it says so and skips (exit 0);
-a failure to shape a namespace it could make is an error.
+errors, SIGTERM, SIGINT and SIGHUP; a namespace left by a run that was killed outright is removed by
+the next run, and its ``horovodrun`` dies with it). All workers' traffic shares the one shaped
+loopback, like workers behind a single link. The bucket (``BURST``, :data:`SHAPES`) holds a few
+packets: a larger one would let each exchange's first megabytes leave at loopback speed after the
+pause of a compute phase, which favours the small exchanges of compressed schemes. Without root,
+without ``ip``/``tc``, or where ``ip netns add`` fails, it says so and skips (exit 0) before any
+job; a failure to shape a namespace it could make is an error.
 
 Each job trains an MLP (8.4M parameters by default) on synthetic data: ``--warmup`` untimed steps,
 then ``--steps`` timed ones; the table gives rank 0's median step time, ratios against dense in the
@@ -51,8 +55,9 @@ DEFAULT_JOBS = ["dense", "fp16", 'scalecom:{"ratio": 0.01}', 'scalecom:{"ratio":
                 'sketched:{"ratio": 0.0003}', 'qsparse:{"local_steps": 5}']
 DEFAULT_WIDTHS = [1024, 2048, 2048, 1024, 10]  # the MLP's layer widths: 8.4M parameters
 SCALECOM_DEFAULTS = {"selection": "threshold"}  # the exact top-k set, found faster
-# Token bucket per rate: the burst must cover a timer tick at that rate (else the rate is not met).
-SHAPES = {"1gbit": ("1mb", "50ms"), "10gbit": ("8mb", "50ms"), "100mbit": ("256kb", "200ms")}
+# Token bucket per rate: the smallest of 64 KB, 128 KB, ... with which one TCP stream of 64 and 256 MiB
+# met the rate here (0.99 Gbit/s at 1gbit; 9.5-9.6 Gbit/s at 10gbit, where 128-512 KB gave 8.2-9.4).
+SHAPES = {"1gbit": ("128kb", "50ms"), "10gbit": ("1mb", "50ms"), "100mbit": ("64kb", "200ms")}
 MTU = 9000
 
 
@@ -64,17 +69,35 @@ def _ip(*args, check=True):
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
 
 
-@contextlib.contextmanager
-def shaped_namespace(rate):
-    """A fresh network namespace whose loopback is shaped to ``rate``; removed on exit."""
+PREFIX = "hvdsc_slow_"
+
+
+def check_namespaces():
+    """Skip unless this process can make network namespaces (before any job: a skip later would
+    discard finished measurements); removes namespaces that runs killed outright left behind."""
     if os.geteuid() != 0:
         raise Skip("network namespaces need root (ip netns add); run as root to measure")
     if shutil.which("ip") is None or shutil.which("tc") is None:
         raise Skip("the ip and tc commands (iproute2) are not installed")
-    name = f"hvdsc_slow_{os.getpid()}_{rate}"
-    made = _ip("netns", "add", name, check=False)
+    for line in _ip("netns", "list", check=False).stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        pid = name[len(PREFIX):].split("_")[0]
+        if name.startswith(PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            _ip("netns", "del", name, check=False)
+    probe = f"{PREFIX}{os.getpid()}_probe"
+    made = _ip("netns", "add", probe, check=False)
     if made.returncode != 0:
         raise Skip(f"ip netns add failed: {made.stderr.strip()}")
+    _ip("netns", "del", probe, check=False)
+
+
+@contextlib.contextmanager
+def shaped_namespace(rate):
+    """A fresh network namespace whose loopback is shaped to ``rate``; removed on exit."""
+    name = f"{PREFIX}{os.getpid()}_{rate}"
+    made = _ip("netns", "add", name, check=False)
+    if made.returncode != 0:
+        raise RuntimeError(f"ip netns add {name} failed: {made.stderr.strip()}")
     try:
         burst, latency = SHAPES[rate]
         for cmd in (["ip", "link", "set", "lo", "mtu", str(MTU), "up"],
@@ -134,12 +157,21 @@ def _results(output):
     return rows
 
 
+def _die_with_parent():
+    """In the child before exec: SIGTERM when the benchmark dies, however it dies (``ip netns exec``
+    execs horovodrun, which keeps the setting and stops its workers on SIGTERM)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def horovod_job(namespace, workers, spec, timeout):
     from hvd_scalecom.launch import horovodrun_command
 
     cmd = ["ip", "netns", "exec", namespace,
            *horovodrun_command([WORKER, json.dumps(spec)], np=workers, controller="gloo")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout,
+                          preexec_fn=_die_with_parent)
     rows = _results(proc.stdout + proc.stderr)
     if proc.returncode != 0 or not rows:
         raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n"
@@ -170,6 +202,7 @@ def run(args):
     base = {"widths": args.widths, "batch": args.batch, "warmup": args.warmup, "steps": args.steps}
     jobs = [parse_job(j, args.scalecom_kwargs) for j in args.jobs]
     rows, links = [], {}
+    check_namespaces()
     for rate in args.rates:
         with shaped_namespace(rate) as ns:
             links[rate] = calibrate(ns, args.calibrate_bytes)
@@ -229,17 +262,19 @@ def markdown(rows, links, args, command, plot, load):
         f"one thread per worker, Gloo, `HOROVOD_CYCLE_TIME=1`; {args.warmup} warm-up and {args.steps} "
         f"timed steps per job, rank 0's median step, median over {args.repeats} runs of each job (in "
         "alternating order). All workers share one loopback shaped by `tc tbf` "
-        f"(MTU {MTU}); a single TCP stream measured "
+        f"(MTU {MTU}; bucket "
+        + ", ".join(f"{SHAPES[k][0]} at {k}" for k in links)
+        + f"); a single TCP stream of {args.calibrate_bytes >> 20} MiB measured "
         + ", ".join(f"{v:.2f} Gbit/s at {k}" for k, v in links.items())
         + ". Bytes: the namespace's `lo` `tx_bytes` over the timed steps, per step and worker (TCP/IP "
         "headers and Horovod's own coordination messages included; payload: what each worker hands "
         "to Horovod's collectives). Floor: the same step with no communication, timed in the same job "
         "right after the timed steps by all N workers at once (a copy of the model, a plain "
-        "optimizer), so it shares the cores as the job does (4 workers on this 2-core machine). "
-        "ScaleCom runs with "
+        f"optimizer), so it shares the cores as the job does (up to {max(args.workers)} workers on "
+        f"this {os.cpu_count()}-core machine). ScaleCom runs with "
         f"`{json.dumps(SCALECOM_DEFAULTS)}` (the exact top-k set) plus any options shown. Load "
-        f"average of the machine (other jobs ran too): {load[0]:.1f} at the start, {load[1]:.1f} at "
-        "the end.",
+        f"average of the machine (the jobs' own workers included): {load[0]:.1f} at the start, "
+        f"{load[1]:.1f} at the end.",
         "",
         "| link | workers | scheme | ms/step | vs dense | speed-up over dense | floor ms | vs floor | "
         "MB/step/worker (wire) | wire bytes vs dense | payload MB/step/worker | index wait ms/step | "
@@ -317,7 +352,7 @@ def plot_rows(rows, path):
 
 
 def _terminate(signum, frame):
-    raise SystemExit(128 + signum)
+    raise SystemExit(128 + signum)  # (the running job is killed and the namespace removed on the way out)
 
 
 def main(argv=None):
@@ -345,23 +380,24 @@ def main(argv=None):
     args.widths = args.widths or ([256, 256, 10] if smoke else DEFAULT_WIDTHS)
     args.warmup = args.warmup if args.warmup is not None else (1 if smoke else 3)
     args.steps = args.steps if args.steps is not None else (1 if smoke else 10)
-    args.calibrate_bytes = (1 if smoke else 64) << 20
+    args.calibrate_bytes = (8 if smoke else 64) << 20  # (much more than a bucket holds)
     args.repeats = args.repeats or (1 if smoke else 2)
     started = time.perf_counter()
     load = [os.getloadavg()[0]]
-    signal.signal(signal.SIGTERM, _terminate)  # so that the namespace is removed on kill too
+    for signum in (signal.SIGTERM, signal.SIGHUP):  # so that the namespace is removed on kill too
+        signal.signal(signum, _terminate)
     try:
         rows, links = run(args)
     except Skip as why:
         print(f"slow_link: skipped: {why}", flush=True)
         return 0
     plot = None if smoke and args.plot is None else (args.plot or os.path.join(ROOT, "docs", "slow_link.png"))
-    if plot:
-        plot_rows(rows, plot)
     command = " ".join(["python -m benchmarks.slow_link", *map(shlex.quote, shown_arguments(
         sys.argv[1:] if argv is None else argv))])
     replace_section(args.out, "slow_link", markdown(rows, links, args, command, plot,
-                                                          load + [os.getloadavg()[0]]))
+                                                          load + [os.getloadavg()[0]]))  # (the table first)
+    if plot:
+        plot_rows(rows, plot)
     print(f"wrote {args.out} ({time.perf_counter() - started:.0f} s)")
     return 0
 

@@ -4,9 +4,15 @@ The slow-link benchmark needs root and ``ip netns``; where they are missing it r
 skipped, and so does its test.
 """
 
+import argparse
+import re
+import subprocess
+
 import pytest
 
 from benchmark_smoke import run_smoke
+
+from benchmarks import slow_link
 
 
 def test_kernels_smoke(tmp_path):
@@ -28,12 +34,43 @@ def test_kernels_smoke(tmp_path):
 def test_slow_link_smoke(tmp_path):
     out = tmp_path / "performance.md"
     out.write_text("# Performance\n\nkept\n")
-    stdout = run_smoke("benchmarks.slow_link", out, timeout=600)
+    stdout = run_smoke("benchmarks.slow_link", out, timeout=600,
+                       extra=("--jobs", "dense", 'scalecom:{"ratio": 0.01}'))
     if "slow_link: skipped:" in stdout:
         pytest.skip(stdout.strip().splitlines()[-1])
     text = out.read_text()
     assert "kept" in text and "<!-- slow_link:begin -->" in text
-    assert "| 1gbit | 2 | ScaleCom 0.01 |" in text
+    link = float(re.search(r"1gbit: one TCP stream gets ([0-9.]+) Gbit/s", stdout).group(1))
+    assert 0.5 < link < 1.2, f"the shaped link carried {link} Gbit/s, not about 1"  # (8 MiB: past the bucket)
+    row = next(line for line in text.splitlines() if line.startswith("| 1gbit | 2 | ScaleCom 0.01 |")).split("|")
+    assert float(row[5]) > 0 and row[6].strip().endswith("x")  # vs dense, speed-up over dense (no timing asserted)
+    assert not [line for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+                .splitlines() if line.startswith(f"{slow_link.PREFIX}")], "a namespace was left behind"
+
+
+def test_slow_link_report_from_synthetic_rows():
+    """The report's arithmetic without a namespace (no root needed): ratios against dense, the median
+    of repeats, bytes per worker, and the scaling table's growth against the ring allreduce's."""
+    def row(rate, workers, compressor, step, tx, **extra):
+        return {"rate": rate, "workers": workers, "compressor": compressor, "label": compressor,
+                "median_step_seconds": step, "floor_seconds": 0.010, "tx_bytes": tx, "steps": 10,
+                "dense_bytes": 4_000_000, "parameters": 1_000_000, **extra}
+
+    repeats = [row("1gbit", 2, "scalecom", s, tx, compressor_stats={"sent_bytes": b, "index_wait_seconds": 0.001,
+                                                                   "compress_seconds": 0.002})
+               for s, tx, b in ((0.030, 2e6, 80_000), (0.050, 4e6, 80_000), (0.040, 3e6, 80_000))]
+    combined = slow_link.combine(repeats)
+    assert (combined["median_step_seconds"], combined["tx_bytes"], combined["repeats"]) == (0.040, 3e6, 3)
+    rows = [row("1gbit", 2, "dense", 0.200, 80e6), combined,
+            row("1gbit", 4, "dense", 0.300, 240e6), {**combined, "workers": 4, "tx_bytes": 9e6}]
+    args = argparse.Namespace(widths=[10, 10], batch=8, warmup=1, steps=10, repeats=3, workers=[2, 4],
+                              calibrate_bytes=64 << 20)
+    text = slow_link.markdown(rows, {"1gbit": 0.99}, args, "python -m benchmarks.slow_link", None, [1.0, 2.0])
+    lines = text.splitlines()
+    assert "| 1gbit | 2 | scalecom | 40.0 | 0.200 | 5.00x | 10.0 | 4.00x | 0.150 | 0.0375 | 0.080 | 1.0 | 2.0 |" in lines
+    assert "| 1gbit | 2 | dense | 200.0 | 1.000 | 1.00x | 10.0 | 20.00x | 4.000 | 1.0000 | 4.000 |  |  |" in lines
+    assert "| 1gbit | scalecom | 0.150 | 0.225 | 1.50x | 1.50x |" in lines  # 3e6 / 10 / 2 -> 9e6 / 10 / 4
+    assert "bucket 128kb at 1gbit" in text and "up to 4 workers" in text
 
 
 def test_sketch_kernels_smoke(tmp_path):
