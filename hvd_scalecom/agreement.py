@@ -39,8 +39,8 @@ def describe_disagreement(scheme, texts, hints):
     is added for the keys that differ."""
     summaries = [json.loads(t) for t in texts]
     keys = sorted(set().union(*summaries))
-    differing = [k for k in keys if len({json.dumps(s.get(k)) for s in summaries}) > 1]
-    per_rank = "; ".join(f"rank {r}: " + ", ".join(f"{k}={s.get(k)!r}" for k in differing)
+    differing = [k for k in keys if len({json.dumps(s[k]) if k in s else "(missing)" for s in summaries}) > 1]
+    per_rank = "; ".join(f"rank {r}: " + ", ".join(f"{k}={s[k]!r}" if k in s else f"{k} missing" for k in differing)
                          for r, s in enumerate(summaries))
     extra = "".join(f" {hints[k]}" for k in differing if k in hints)
     return f"{scheme} is configured differently on different ranks ({', '.join(differing)} differ): " \

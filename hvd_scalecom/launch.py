@@ -8,6 +8,8 @@ import subprocess
 import sys
 
 _RANK_PREFIX = re.compile(r"^\[(?:\d+,)?(\d+)\]<(stdout|stderr)>:(.*)$")
+# Open MPI tags every write, and an unbuffered print may be several writes: tags inside a line
+_MPI_TAG = re.compile(r"\[\d+,\d+\]<(?:stdout|stderr)>:")
 
 
 class HorovodRunError(RuntimeError):
@@ -22,6 +24,12 @@ def horovodrun_command(args, np=2, controller="gloo", start_timeout=120, python=
         raise TypeError(f"args must be a list of arguments (the script first), got the string {args!r}")
     if isinstance(np, bool) or not isinstance(np, int) or np < 1:
         raise ValueError(f"np must be an int >= 1, got {np!r}")
+    args = list(args)
+    bad = [a for a in args if not isinstance(a, (str, os.PathLike))]
+    if bad:
+        raise TypeError(f"args must be strings (or paths), got {bad!r}")
+    if isinstance(start_timeout, bool) or not isinstance(start_timeout, int) or start_timeout < 1:
+        raise ValueError(f"start_timeout must be an int >= 1 (seconds), got {start_timeout!r}")
     python = python or sys.executable
     runner = os.path.join(os.path.dirname(python), "horovodrun")
     return [runner, "-np", str(np), "-H", f"localhost:{np}", f"--{controller}",
@@ -33,7 +41,7 @@ def split_by_rank(output):
     ranks = {}
     for line in output.splitlines():
         m = _RANK_PREFIX.match(line)
-        rank, text = (int(m.group(1)), m.group(3)) if m else (-1, line)
+        rank, text = (int(m.group(1)), _MPI_TAG.sub("", m.group(3))) if m else (-1, line)
         ranks.setdefault(rank, []).append(text)
     return {r: "\n".join(lines) for r, lines in sorted(ranks.items())}
 
@@ -62,8 +70,14 @@ def run_command(cmd, timeout=300, env=None, cwd=None, check=True, threads=1):
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
+        # SIGTERM first: mpirun then stops its ranks, which Open MPI starts in process groups of their
+        # own (SIGKILL would leave them running); SIGKILL for what is still there after 10 s.
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            output, _ = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
         raise HorovodRunError(_report(f"timed out after {timeout} s", cmd, output)) from None
     if check and proc.returncode != 0:
         raise HorovodRunError(_report(f"exited with {proc.returncode}", cmd, output))

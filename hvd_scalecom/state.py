@@ -51,8 +51,8 @@ def check_next_indices(name, value, k, numel, selects_ahead):
     if hasattr(indices, "detach") and hasattr(indices, "cpu"):  # a torch tensor, possibly on a GPU
         indices = indices.detach().cpu()
     step, indices = value[0], np.asarray(indices)
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-        raise ValueError(f"state next_indices of {name!r}: step must be an int >= 0, got {step!r}")
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 0 <= step < 2**63:
+        raise ValueError(f"state next_indices of {name!r}: step must be an int in [0, 2**63), got {step!r}")
     if (indices.shape != (k,) or indices.dtype.kind not in "iu" or not np.all((indices >= 0) & (indices < numel))
             or np.unique(indices).size != k):
         raise ValueError(f"state next_indices of {name!r} must be {k} distinct integers in [0, {numel})")

@@ -30,6 +30,8 @@ def read_operations(path):
     """``[{"name", "op", "dtype", "shape", "numel", "nbytes"}]`` in completion order.
 
     ``op`` is the prefix Horovod gives the name (``allreduce``, ``broadcast``, ``allgather``...).
+    Operations whose end event carries no output shape are left out: in Horovod 0.28.1 that is a
+    broadcast rooted at the rank writing the timeline (its ``E`` event has no ``args``).
     """
     with open(path) as f:
         text = f.read().strip().rstrip(",")

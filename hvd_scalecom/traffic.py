@@ -12,21 +12,32 @@ Per worker per step (``../docs/traffic.md`` states the model):
 """
 
 import dataclasses
+import numbers
+
+from hvd_scalecom.config import check_int
 
 
 def allreduce_bytes_sent(nbytes, n):
     """Bytes one worker sends in a ring allreduce of ``nbytes``."""
+    _check_workers(n)
     return 2.0 * (n - 1) / n * nbytes if n > 1 else 0.0
 
 
 def broadcast_bytes_sent(nbytes, n):
     """Average bytes one worker sends in a pipelined broadcast of ``nbytes``."""
+    _check_workers(n)
     return (n - 1) / n * nbytes if n > 1 else 0.0
 
 
 def allgather_bytes_sent(nbytes, n):
     """Bytes one worker sends in a ring allgather where each worker contributes ``nbytes``."""
+    _check_workers(n)
     return float((n - 1) * nbytes)
+
+
+def _check_workers(n):
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+        raise ValueError(f"n (workers) must be an int >= 1, got {n!r}")
 
 
 @dataclasses.dataclass
@@ -62,6 +73,9 @@ class StepTraffic:
         return d
 
 
+_COUNTED = frozenset(f.name for f in dataclasses.fields(StepTraffic)) - {"tensors"}
+
+
 class TrafficMeter:
     """Per-step ``StepTraffic`` keyed by step number, plus running totals.
 
@@ -76,7 +90,10 @@ class TrafficMeter:
 
     def record(self, step, **counts):
         """One tensor of ``step``: ``counts`` are ``StepTraffic`` fields to add (once per tensor and
-        step, so kept cheap)."""
+        step, so kept cheap); TypeError, before anything is counted, for a name that is none."""
+        unknown = counts.keys() - _COUNTED
+        if unknown:
+            raise TypeError(f"TrafficMeter.record: {sorted(unknown)} are not StepTraffic fields")
         entry = self._by_step.get(step)
         if entry is None:
             entry = self._by_step[step] = StepTraffic()
@@ -92,6 +109,8 @@ class TrafficMeter:
         self._total.compress_seconds += seconds
 
     def step(self, step):
+        """The counts of ``step`` (zeros for a step that sent nothing, or one no longer kept)."""
+        check_int(step, "step", 0)
         return self._by_step.get(step, StepTraffic())
 
     @property

@@ -78,3 +78,70 @@ def test_next_indices_may_be_a_torch_tensor():
     from hvd_scalecom.state import check_next_indices
     step, indices = check_next_indices("w", (3, torch.tensor([4, 1, 7])), 3, 10, True)
     assert step == 3 and indices.tolist() == [4, 1, 7]
+
+
+def test_next_indices_step_must_fit_the_step_counters():
+    """A step past int64 was accepted and failed later, in TensorFlow after some variables had changed."""
+    from hvd_scalecom.state import check_next_indices
+    for step in (-1, 2**63, 2**64, 1.0, True):
+        with pytest.raises(ValueError, match=r"next_indices of 'w': step must be an int in \[0, 2\*\*63\)"):
+            check_next_indices("w", (step, np.array([4, 1, 7])), 3, 10, True)
+    assert check_next_indices("w", (2**63 - 1, np.array([4, 1, 7])), 3, 10, True)[0] == 2**63 - 1
+
+
+def test_a_key_missing_on_one_rank_is_named():
+    """Present as None on one rank, missing on another: the bytes differ, and so must the message."""
+    gathered = [agreement.encode({"ratio": 0.01, "extra": None}), agreement.encode({"ratio": 0.01})]
+    with pytest.raises(ValueError, match=r"\(extra differ\): rank 0: extra=None; rank 1: extra missing\."):
+        agreement.check_gathered("ScaleCom", gathered)
+
+
+def test_wire_bytes_refuse_a_worker_count_below_one():
+    from hvd_scalecom.traffic import allgather_bytes_sent, allreduce_bytes_sent, broadcast_bytes_sent
+    for formula in (allgather_bytes_sent, allreduce_bytes_sent, broadcast_bytes_sent):
+        for n in (0, -1, 2.0, True):
+            with pytest.raises(ValueError, match=r"n \(workers\) must be an int >= 1"):
+                formula(100, n)
+    assert (allreduce_bytes_sent(100, np.int64(4)), allgather_bytes_sent(100, 4), broadcast_bytes_sent(100, 4)) == \
+        (150.0, 300.0, 75.0)
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, (60.0, None)),
+    ({"HOROVOD_STALL_CHECK_TIME_SECONDS": "5", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "30"}, (5.0, 30.0)),
+    ({"HOROVOD_STALL_CHECK_DISABLE": "false", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "30"}, (60.0, 30.0)),
+    ({"HOROVOD_STALL_CHECK_DISABLE": "1", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "30"}, (None, None)),
+    ({"HOROVOD_STALL_CHECK_TIME_SECONDS": "0"}, (None, None)),
+])
+def test_stall_settings_are_read_as_horovod_reads_them(monkeypatch, env, expected):
+    """Integers; the check is off only for HOROVOD_STALL_CHECK_DISABLE above 0 (Horovod's strtol), and a
+    warning interval of 0 or less means no warnings (not one at every poll)."""
+    from hvd_scalecom.torch.common import stall_times
+    for variable in ("HOROVOD_STALL_CHECK_DISABLE", "HOROVOD_STALL_CHECK_TIME_SECONDS",
+                     "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"):
+        monkeypatch.delenv(variable, raising=False)
+    for variable, value in env.items():
+        monkeypatch.setenv(variable, value)
+    assert stall_times() == expected
+    assert stall_times(timeout=7.5)[1] == 7.5
+
+
+@pytest.mark.parametrize("variable", ["HOROVOD_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"])
+def test_a_stall_setting_that_is_not_an_integer_is_named(monkeypatch, variable):
+    from hvd_scalecom.torch.common import stall_times
+    monkeypatch.setenv(variable, "1m")
+    with pytest.raises(ValueError, match=f"{variable} must be an integer number of seconds"):
+        stall_times()
+
+
+def test_traffic_meter_refuses_unknown_counts_and_bad_steps_before_counting():
+    from hvd_scalecom.traffic import TrafficMeter
+    meter = TrafficMeter()
+    meter.record(0, value_bytes=10)
+    with pytest.raises(TypeError, match=r"\['index_byte'\] are not StepTraffic fields"):
+        meter.record(0, value_bytes=10, index_byte=4)
+    assert (meter.step(0).value_bytes, meter.step(0).tensors, meter.total.value_bytes) == (10, 1, 10)
+    for step, error in ((-3, ValueError), ("abc", TypeError), (2.5, TypeError)):
+        with pytest.raises(error, match="step"):
+            meter.step(step)
+    assert meter.step(np.int64(0)).value_bytes == 10 and meter.step(99).value_bytes == 0

@@ -41,6 +41,11 @@ def test_launch_refuses_a_string_of_arguments_and_a_bad_np():
         with pytest.raises(ValueError, match="np must be an int >= 1"):
             launch.horovodrun_command(["train.py"], np=np_)
     assert launch.horovodrun_command(["train.py", "--x"], np=3)[-2:] == ["train.py", "--x"]
+    with pytest.raises(TypeError, match=r"args must be strings \(or paths\), got \[3\]"):
+        launch.horovodrun_command(["train.py", 3])
+    for timeout in (None, -5, 2.5):
+        with pytest.raises(ValueError, match="start_timeout must be an int >= 1"):
+            launch.horovodrun_command(["train.py"], start_timeout=timeout)
 
 
 def test_residue_norm_names_compression_for_other_objects():
@@ -49,3 +54,45 @@ def test_residue_norm_names_compression_for_other_objects():
         residue_norm(optimizer)
     with pytest.raises(TypeError, match="compression must have a state_dict"):
         residue_norm(object())
+
+
+@pytest.mark.parametrize("controller", ["mpi", "gloo"])
+def test_a_timed_out_job_leaves_no_worker_running(tmp_path, controller):
+    """Open MPI starts each rank in a process group of its own: SIGKILL to horovodrun's group left them
+    running; SIGTERM first lets mpirun stop them."""
+    import os
+    import time
+    import uuid
+
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\ntime.sleep(600)\n")
+    marker = f"left-running-{uuid.uuid4().hex}"
+    with pytest.raises(launch.HorovodRunError, match="timed out after 10 s"):
+        launch.run([str(script), marker], np=2, controller=controller, timeout=10)
+
+    def running():
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(int(pid))
+            except OSError:
+                pass
+        return found
+
+    deadline = time.monotonic() + 15
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = running()
+    for pid in left:  # (not to leave them behind even when the test fails)
+        os.kill(pid, 9)
+    assert not left, f"workers still running after the timeout: {left}"
+
+
+def test_output_splits_by_rank_with_open_mpis_tags_inside_lines():
+    """Under MPI an unbuffered print reaches the output as several tagged writes on one line."""
+    output = ("[1,0]<stdout>:rank-line [1,0]<stdout>:0 end\n[1,1]<stdout>:rank-line 1 end\n"
+              "[0]<stderr>:gloo rank 0\nlauncher line\n")
+    assert launch.split_by_rank(output) == {-1: "launcher line", 0: "rank-line 0 end\ngloo rank 0",
+                                            1: "rank-line 1 end"}

@@ -7,6 +7,7 @@ Used by the ScaleCom compressor, :mod:`hvd_scalecom.torch.sketched_sgd` and
 
 import hashlib
 import os
+import re
 import sys
 import time
 
@@ -166,13 +167,32 @@ def check_agreement(scheme, summary, process_set=None, hints=None, stall=(None, 
 
 def stall_times(timeout=None):
     """(warning interval, time limit) in seconds, None for never: Horovod's own stall settings
-    (``HOROVOD_STALL_CHECK_TIME_SECONDS``, 60, and ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``),
-    ``timeout`` taking precedence over the latter."""
-    disabled = os.environ.get("HOROVOD_STALL_CHECK_DISABLE", "0") not in ("", "0")
-    warn_every = None if disabled else float(os.environ.get("HOROVOD_STALL_CHECK_TIME_SECONDS", 60))
-    shutdown = float(os.environ.get("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0))
-    limit = timeout if timeout is not None else (shutdown if shutdown > 0 and not disabled else None)
+    (``HOROVOD_STALL_CHECK_TIME_SECONDS``, 60, and ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``, integers;
+    ``HOROVOD_STALL_CHECK_DISABLE`` above 0 turns both off), read as Horovod reads them, ``timeout``
+    taking precedence over the latter. ValueError naming the variable where one is not an integer."""
+    disabled = _leading_int(os.environ.get("HOROVOD_STALL_CHECK_DISABLE", "")) > 0  # (strtol: "false" is 0)
+    check = _stall_setting("HOROVOD_STALL_CHECK_TIME_SECONDS", 60)
+    shutdown = _stall_setting("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0)
+    warn_every = None if disabled or check <= 0 else float(check)
+    limit = timeout if timeout is not None else (float(shutdown) if shutdown > 0 and not disabled else None)
     return warn_every, limit
+
+
+def _leading_int(text):
+    """The integer ``text`` starts with, 0 if none (C's strtol, as Horovod reads a flag)."""
+    match = re.match(r"\s*([+-]?\d+)", text)
+    return int(match.group(1)) if match else 0
+
+
+def _stall_setting(variable, default):
+    text = os.environ.get(variable, "").strip()
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{variable} must be an integer number of seconds (as Horovod reads it), "
+                         f"got {text!r}") from None
 
 
 def wait(handle, stall, scheme, what, advice=""):
