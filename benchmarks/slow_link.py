@@ -80,7 +80,7 @@ def check_namespaces():
     if shutil.which("ip") is None or shutil.which("tc") is None:
         raise Skip("the ip and tc commands (iproute2) are not installed")
     for line in _ip("netns", "list", check=False).stdout.splitlines():
-        name = line.split()[0] if line.split() else ""
+        name = (line.split() or [""])[0]
         pid = name[len(PREFIX):].split("_")[0]
         if name.startswith(PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
             _ip("netns", "del", name, check=False)

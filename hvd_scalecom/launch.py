@@ -67,21 +67,28 @@ def run_command(cmd, timeout=300, env=None, cwd=None, check=True, threads=1):
     full_env.update(env or {})
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=full_env, cwd=cwd, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        # SIGTERM first: mpirun then stops its ranks, which Open MPI starts in process groups of their
-        # own (SIGKILL would leave them running); SIGKILL for what is still there after 10 s.
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            output, _ = proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-        raise HorovodRunError(_report(f"timed out after {timeout} s", cmd, output)) from None
+    output, _, timed_out = communicate_or_stop(proc, timeout)
+    if timed_out:
+        raise HorovodRunError(_report(f"timed out after {timeout} s", cmd, output))
     if check and proc.returncode != 0:
         raise HorovodRunError(_report(f"exited with {proc.returncode}", cmd, output))
     return output
+
+
+def communicate_or_stop(proc, timeout, grace=10):
+    """``(stdout, stderr, timed_out)`` of ``proc`` (started with ``start_new_session=True``); past
+    ``timeout`` seconds its process group gets SIGTERM, and SIGKILL ``grace`` seconds later. SIGTERM
+    first: mpirun then stops its ranks, which Open MPI starts in process groups of their own (SIGKILL
+    would leave them running), and a benchmark removes what it made."""
+    try:
+        return (*proc.communicate(timeout=timeout), False)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            return (*proc.communicate(timeout=grace), True)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            return (*proc.communicate(), True)
 
 
 def _report(what, cmd, output):

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+from hvd_scalecom.launch import communicate_or_stop
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -12,16 +14,8 @@ def run_smoke(module, out, timeout, extra=()):
     and returns its standard output. Past ``timeout`` seconds the benchmark gets SIGTERM (so that it can
     clean up: the slow-link benchmark removes its namespace), then SIGKILL, and the test fails."""
     with subprocess.Popen([sys.executable, "-m", module, "--smoke", "--out", str(out), *extra], cwd=ROOT,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.terminate()
-            try:
-                stdout, stderr = proc.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                stdout, stderr = proc.communicate()
-            raise AssertionError(f"{module} --smoke took more than {timeout} s:\n{stdout}{stderr}") from None
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
+        stdout, stderr, timed_out = communicate_or_stop(proc, timeout, grace=60)
+    assert not timed_out, f"{module} --smoke took more than {timeout} s:\n{stdout}{stderr}"
     assert proc.returncode == 0, stdout + stderr
     return stdout
