@@ -9,7 +9,8 @@ packages that::
     hvd.init()
     model = keras.Sequential([...]); model.build((None, 64))
     compression = ScaleCom(model.trainable_variables, ratio=0.01, beta=0.5)
-    step = make_train_step(model, keras.optimizers.SGD(0.05), "sparse_categorical_crossentropy",
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    step = make_train_step(model, keras.optimizers.SGD(0.05), loss,
                            compression)   # also broadcasts rank 0's weights and optimizer state
     for x, y in batches:
         loss = step(x, y)
