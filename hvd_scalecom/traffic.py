@@ -109,9 +109,17 @@ class TrafficMeter:
         self._total.compress_seconds += seconds
 
     def step(self, step):
-        """The counts of ``step`` (zeros for a step that sent nothing, or one no longer kept)."""
+        """The counts of ``step`` (zeros for one that sent nothing or has not begun); ValueError for
+        one before those kept, the last ``keep + 1`` step numbers (``total`` counts every step)."""
         check_int(step, "step", 0)
-        return self._by_step.get(step, StepTraffic())
+        entry = self._by_step.get(step)
+        if entry is not None:
+            return entry
+        if self._by_step and step < max(self._by_step) - self._keep:
+            raise ValueError(f"step {step} is not kept: the statistics keep the last {self._keep + 1} "
+                             f"steps ({max(self._by_step) - self._keep}..{max(self._by_step)}); 'total' "
+                             f"counts every step")
+        return StepTraffic()
 
     @property
     def total(self):

@@ -145,3 +145,16 @@ def test_traffic_meter_refuses_unknown_counts_and_bad_steps_before_counting():
         with pytest.raises(error, match="step"):
             meter.step(step)
     assert meter.step(np.int64(0)).value_bytes == 10 and meter.step(99).value_bytes == 0
+
+
+def test_traffic_meter_says_which_steps_it_no_longer_keeps():
+    """Steps before the last ``keep + 1`` are an error, not zeros that look like a step that sent
+    nothing; within them a step that sent nothing (Qsparse between synchronisations) is zeros."""
+    from hvd_scalecom.traffic import TrafficMeter
+    meter = TrafficMeter(keep=4)
+    for step in (0, 3, 6, 9):
+        meter.record(step, value_bytes=step + 1)
+    assert [meter.step(s).value_bytes for s in (5, 6, 7, 9, 10)] == [0, 7, 0, 10, 0]
+    with pytest.raises(ValueError, match=r"step 4 is not kept: the statistics keep the last 5 steps \(5\.\.9\)"):
+        meter.step(4)
+    assert meter.total.value_bytes == 1 + 4 + 7 + 10

@@ -288,6 +288,7 @@ class ScaleCom(Compressor):
 
     def stats(self, step=None):
         """Payload bytes and compute time of ``step`` on this rank (default: the last complete step).
+        The last five steps are kept; an earlier one is a ValueError (``total`` counts every step).
 
         Returns a dict with ``step``, ``index_bytes``, ``value_bytes``, ``dense_bytes``, ``sent_bytes``,
         ``uncompressed_bytes``, ``ratio`` (uncompressed / sent), ``compress_seconds``,

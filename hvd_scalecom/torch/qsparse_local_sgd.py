@@ -168,7 +168,8 @@ class QsparseLocalSGD(torch.optim.Optimizer):
 
     def stats(self, step=None):
         """Payload bytes and compute time of synchronisation step ``step`` on this rank (default: the
-        last synchronisation; other steps send nothing and report zeros).
+        last synchronisation; other steps send nothing and report zeros). The last five steps are
+        kept; an earlier one is a ValueError (``total`` counts every step).
 
         Keys as ScaleCom's: ``step``, ``index_bytes`` and ``value_bytes`` (this rank's part of the
         payload allgather: indices; values, signs or levels and the per-tensor scale), ``dense_bytes``

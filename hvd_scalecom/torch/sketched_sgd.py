@@ -204,6 +204,7 @@ class SketchedSGD(Compressor):
 
     def stats(self, step=None):
         """Payload bytes and compute time of ``step`` on this rank (default: the last complete step).
+        The last five steps are kept; an earlier one is a ValueError (``total`` counts every step).
 
         Keys as ScaleCom's: ``step``, ``index_bytes`` (always 0: candidates are found from the reduced
         sketch on every rank, no index travels), ``value_bytes`` (sketch ``r c`` + candidates
