@@ -380,7 +380,9 @@ def main(argv=None):
     args.widths = args.widths or ([256, 256, 10] if smoke else DEFAULT_WIDTHS)
     args.warmup = args.warmup if args.warmup is not None else (1 if smoke else 3)
     args.steps = args.steps if args.steps is not None else (1 if smoke else 10)
-    args.calibrate_bytes = (8 if smoke else 64) << 20  # (much more than a bucket holds)
+    # much more than a bucket holds; the smoke test's a quarter second at 1 Gbit/s, so that one
+    # scheduling stall of a loaded machine cannot halve the rate it checks
+    args.calibrate_bytes = (32 if smoke else 64) << 20
     args.repeats = args.repeats or (1 if smoke else 2)
     started = time.perf_counter()
     load = [os.getloadavg()[0]]

@@ -1,6 +1,8 @@
 """Bad input to the PyTorch ScaleCom that needs a model or a Horovod job; the constructor's arguments
 and load_state_dict are in the table of tests/test_bad_input_table.py."""
 
+import re
+
 import pytest
 import torch
 
@@ -46,7 +48,9 @@ def test_a_process_set_given_to_the_optimizer_alone_ends_with_a_clear_error(horo
     assert "timed out" not in report.split("\n", 1)[0]
     sections = [report.split(f"----- rank {rank} -----", 1)[1].split("-----", 1)[0] for rank in (0, 2)]
     for section in sections:
-        assert "ScaleCom warning: still waiting after 3 s for every rank's ScaleCom configuration" in section
+        # (the seconds as waited, rounded: a loaded machine can print 4)
+        assert re.search(r"ScaleCom warning: still waiting after \d+ s for every rank's ScaleCom configuration",
+                         section), section[-2000:]
         assert "pass it the optimizer's process_set" in section
         # (a rank may learn of the first error from Horovod's shutdown, the same 8 s later)
         assert "RuntimeError: ScaleCom: still waiting after 8 s" in section or \

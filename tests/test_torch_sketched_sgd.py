@@ -37,7 +37,9 @@ WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers")
 SEQUENCE = ("import json, runpy, sys\n"
             "for script, opts, out_dir in json.loads(sys.argv[1]):\n"
             "    sys.argv = [script, opts, out_dir]\n"
-            "    runpy.run_path(script, run_name='__main__')\n")
+            "    runpy.run_path(script, run_name='__main__')\n"
+            "import horovod.torch as hvd\n"
+            "hvd.stop_timeline()  # every queued event written (Horovod drops them at shutdown)\n")
 JOBS = {"np3": 3, "np2_first": 2, "np2_second": 2, "np2_reload": 2, "np2_reload_dense": 2, "np1": 1}  # job: ranks; np2_second resumes np2_first's checkpoints
 _RUNS = {job: [] for job in JOBS}
 _DONE = {}
@@ -54,6 +56,8 @@ def shared_job(job, request, tmp_path_factory):
     """Run ``job`` (once per session) and return ``{"error", "results", "timeline", "root"}``: the job's
     HorovodRunError or None, per part the per-rank npz dicts (as horovod_job returns them; none for a
     run that failed or never ran) and rank 0's Horovod timeline."""
+    if job == "np2_second":  # its resume runs read np2_first's checkpoints, whatever the tests' order
+        shared_job("np2_first", request, tmp_path_factory)
     if "root" not in _DONE:
         _DONE["root"] = tmp_path_factory.mktemp("horovod_jobs")
     root = _DONE["root"]

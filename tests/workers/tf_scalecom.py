@@ -186,4 +186,5 @@ if writer is not None:
 if member:
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **record)
 hvd.allreduce(tf.constant(0.0), name="worker_done")  # nobody shuts Horovod down while others train
+hvd.stop_timeline()  # writes every queued timeline event (Horovod drops them at shutdown)
 print(f"rank {rank} done", flush=True)

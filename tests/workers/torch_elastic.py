@@ -172,6 +172,7 @@ def train(state):
 state = hvd.elastic.TorchState(model, optimizer, compression=compression, step=0)
 assert type(state._handlers["compression"]).__name__ == "ScaleComStateHandler"
 train(state)
+hvd.stop_timeline()  # writes every queued timeline event (Horovod drops them at shutdown)
 log("done", step=state.step)
 entries = compression.state_dict()["params"]
 np.savez(os.path.join(out_dir, f"final{hvd.rank()}.npz"),

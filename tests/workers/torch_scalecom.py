@@ -8,6 +8,8 @@ argv: JSON options, output directory. Writes ``rank<R>.npz`` with, per step t an
 import json
 import os
 import sys
+import time
+import traceback
 
 import numpy as np
 import torch
@@ -16,6 +18,17 @@ import horovod.torch as hvd
 from hvd_scalecom import native
 from hvd_scalecom.torch import ScaleCom, clt_k
 
+
+
+def report_and_linger(kind, value, tb):
+    """A failing rank prints its error, then waits a moment before exiting: horovodrun stops the
+    other ranks when the first one exits, and the tests read every rank's own error."""
+    traceback.print_exception(kind, value, tb)
+    sys.stderr.flush()
+    time.sleep(2)
+
+
+sys.excepthook = report_and_linger
 torch.set_num_threads(1)
 opts = json.loads(sys.argv[1])
 traded = [0]  # decompress calls that traded a gradient's buffer with its memory's (or could have)
