@@ -231,6 +231,56 @@ def test_the_advancing_passes_refuse_tensors_the_c_passes_cannot_take_before_any
         assert torch.equal(g, before)
 
 
+def test_the_advancing_passes_refuse_marks_and_tensors_they_cannot_take_before_any_pointer_reaches_c():
+    """Marks made for another tensor or other indices (the C pass scatters one reduced value per
+    mark), indices or reduced values that are not on the CPU, repeated indices without marks."""
+    memory, grad = inputs(1 << 19)
+    indices = torch.arange(0, 1 << 19, 256, dtype=torch.int32)
+    marks = clt_k.Marks(grad.numel())
+    taken = clt_k.take_advancing_(memory, grad, indices, BETA, marks)
+    memory_before, grad_before = memory.clone(), grad.clone()
+    reduced = torch.ones(indices.numel())
+    cases = [(indices[:8], reduced[:8], marks, "marks hold 2048 indices of a tensor of 524288 entries, for 8 reduced"),
+             (indices, reduced, clt_k.Marks(64), "marks hold None indices of a tensor of 64 entries"),
+             (indices, reduced.to("meta"), marks, "reduced must be a CPU tensor here"),
+             (indices.to("meta"), reduced, marks, "indices must be a CPU tensor here"),
+             (torch.tensor([3, 3]), torch.ones(2), None, "indices repeat")]
+    for bad_indices, bad_reduced, bad_marks, message in cases:
+        with pytest.raises(ValueError, match=message):
+            clt_k.filter_and_scatter_advanced(memory, grad, bad_indices, bad_reduced, taken, taken.values, BETA,
+                                              bad_marks)
+    with pytest.raises(ValueError, match="indices must be a CPU tensor here"):
+        clt_k.take_advancing_(memory, grad, indices.to("meta"), BETA, marks)
+    assert torch.equal(grad, grad_before) and torch.equal(memory, memory_before)
+
+
+def test_threads_each_have_their_own_scratch():
+    """The C passes run without the GIL: two threads' bitmaps (and candidate buffers) must not be
+    shared (with one shared bitmap, 67 of 600 gradients here came out wrong)."""
+    import threading
+
+    def work(seed, k, wrong):
+        memory, grad = inputs(1 << 20, seed=seed)
+        indices = torch.randperm(1 << 20, generator=torch.Generator().manual_seed(seed))[:k].sort().values
+        taken = clt_k.take_checking(memory, grad, indices)
+        reduced = 0.5 * taken.values
+        expected = torch.zeros(1 << 20).index_copy_(0, indices, reduced)
+        chosen = clt_k.select_and_take(memory, grad, k, "threshold")[0]
+        for _ in range(150):
+            clt_k.filter_and_scatter_(memory, grad, indices, reduced, taken, taken.values, 0.3)
+            wrong[seed] += not torch.equal(grad, expected)
+            wrong[seed] += not torch.equal(clt_k.select_and_take(memory, grad, k, "threshold")[0],
+                                           clt_k.select_and_take(memory, grad, k, "exact")[0])
+
+    wrong = {1: 0, 2: 0}
+    threads = [threading.Thread(target=work, args=(seed, k, wrong)) for seed, k in ((1, 50), (2, 50_000))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert wrong == {1: 0, 2: 0}
+
+
 def test_only_large_fp32_gradients_owning_their_storage_advance():
     big = clt_k._ADVANCE_MIN_NUMEL
     memory = torch.zeros(big)

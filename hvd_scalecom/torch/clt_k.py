@@ -23,6 +23,7 @@ which compute the same floats as the torch operations (``tests/test_native.py``)
 import ctypes
 import functools
 import math
+import threading
 from typing import NamedTuple, Optional
 
 import torch
@@ -287,7 +288,17 @@ class _SelectBuffers:
         return self.arguments
 
 
-_select_buffers = _SelectBuffers()
+# Scratch the C kernels fill, one set per thread: they run without the GIL, and two threads sharing
+# a bitmap or candidate buffers would read each other's (or freed) memory.
+_per_thread = threading.local()
+
+
+def _select_buffers():
+    """This thread's :class:`_SelectBuffers`."""
+    buffers = getattr(_per_thread, "select", None)
+    if buffers is None:
+        buffers = _per_thread.select = _SelectBuffers()
+    return buffers
 
 
 @functools.lru_cache(maxsize=256)
@@ -316,15 +327,16 @@ def _native_select(a, b, k, index_dtype=torch.int64):
     lib = native.library()
     indices = torch.empty(k, dtype=index_dtype)
     p_at = torch.empty(k, dtype=torch.float32)
-    out = _select_buffers.out
+    buffers = _select_buffers()
+    out = buffers.out
     while True:
-        candidates = _select_buffers.ensure(cap, size)
+        candidates = buffers.ensure(cap, size)
         got = lib.hsc_select(a.data_ptr(), None if b is None else b.data_ptr(), numel, k, positions, size, rank,
                              *candidates, indices.data_ptr(), int(index_dtype is torch.int64), p_at.data_ptr(),
                              *out.pointers)
         if got != -2:
             break
-        cap = 2 * _select_buffers.cap
+        cap = 2 * buffers.cap
     return (indices, p_at, bool(out.finite.value), (out.kth.value, out.ties.value)) if got == k else None
 
 
@@ -560,10 +572,18 @@ def filter_and_scatter_advanced(memory, grad, indices, reduced, taken, sent, bet
     _check_advancing(memory, grad)
     flat = grad if grad.ndim == 1 else grad.view(-1)
     indices = _marked_dtype(indices)
+    if not reduced.is_cpu:
+        raise ValueError(f"reduced must be a CPU tensor here (the C pass reads it), got one on {reduced.device}")
     reduced = _flat(reduced, flat.dtype).contiguous()
     _check_pairs(indices, reduced)  # (the C pass reads one value per index; _mark checks the range)
     if marks is None:
         marks = _mark(indices, flat.numel())
+        if marks is None:
+            raise ValueError("indices repeat: take_advancing_ refused them (use take_checking)")
+    elif marks.numel != flat.numel() or marks.count != reduced.numel():  # (the C pass trusts them)
+        raise ValueError(f"marks hold {marks.count} indices of a tensor of {marks.numel} entries, for "
+                         f"{reduced.numel()} reduced values of one of {flat.numel()}: give the marks "
+                         f"take_advancing_ filled for these indices")
     if marks.order is not None:
         reduced = reduced[marks.order]
     updated = bool(native.loaded().hsc_scatter_if_finite(  # (take_advancing_ used the C kernels)
@@ -592,7 +612,9 @@ def _check_advancing(memory, grad):
 
 def _marked_dtype(indices):
     """Flat contiguous indices as :func:`_mark` takes them: int32 (as broadcast) or int64 kept as they
-    are, other integer dtypes as int64."""
+    are, other integer dtypes as int64; ValueError unless on the CPU (the C passes read them)."""
+    if not indices.is_cpu:
+        raise ValueError(f"indices must be a CPU tensor here (the C passes read them), got one on {indices.device}")
     indices = _flat(indices)
     if indices.dtype is not torch.int32:
         indices = _flat(indices, torch.int64)
@@ -601,23 +623,22 @@ def _marked_dtype(indices):
 
 class Marks:
     """A set of indices I of a tensor of ``numel`` entries as the C kernels' bitmap (``bits``, one bit
-    per entry), with ``order``, the argsort that made the indices ascending (None if they were)."""
+    per entry), with ``order``, the argsort that made the indices ascending (None if they were), and
+    ``count``, how many indices are marked (None until marked)."""
 
     def __init__(self, numel):
         self.numel = numel
         self.bits = torch.empty((numel + 15) // 16, dtype=torch.int16)
         self.order = None
-
-
-_shared_marks = Marks(0)
+        self.count = None
 
 
 def _scratch_marks(numel):
-    """A :class:`Marks` shared by the calls that fill and use a bitmap at once (grown as needed)."""
-    global _shared_marks
-    if _shared_marks.numel < numel:
-        _shared_marks = Marks(numel)
-    return _shared_marks
+    """This thread's :class:`Marks` for the calls that fill and use a bitmap at once (grown as needed)."""
+    marks = getattr(_per_thread, "marks", None)
+    if marks is None or marks.numel < numel:
+        marks = _per_thread.marks = Marks(numel)
+    return marks
 
 
 def _mark(indices, numel, marks=None):
@@ -628,7 +649,7 @@ def _mark(indices, numel, marks=None):
     elif marks.numel != numel:
         raise ValueError(f"marks are for {marks.numel} entries, the tensor has {numel}")
     lib = native.loaded()  # (only reached where the C kernels took the step's first pass)
-    marks.order = None
+    marks.order = marks.count = None
     wide = int(indices.dtype is torch.int64)
     status = lib.hsc_mark(indices.data_ptr(), wide, indices.numel(), numel, marks.bits.data_ptr())
     if status == -2:
@@ -637,7 +658,10 @@ def _mark(indices, numel, marks=None):
         status = lib.hsc_mark(ascending.data_ptr(), wide, indices.numel(), numel, marks.bits.data_ptr())
     if status == -1:
         raise IndexError(_out_of_range(indices, numel))
-    return None if status == -2 else marks
+    if status == -2:
+        return None
+    marks.count = indices.numel()
+    return marks
 
 
 def _keep_rounding_error_(memory, indices, values, sent, beta):
