@@ -546,7 +546,7 @@ def take_advancing_(memory, grad, indices, beta, marks=None):
     ``take_checking`` + :func:`filter_and_scatter_` read g three times and write both. Returns None,
     having written nothing, where an index repeats. Finish with :func:`filter_and_scatter_advanced`,
     given the same ``marks`` (a :class:`Marks` of the tensor's size, to keep I's bitmap in between;
-    by default a shared one, rebuilt there)."""
+    by default this thread's own, rebuilt there)."""
     _check_advancing(memory, grad)
     flat = grad if grad.ndim == 1 else grad.view(-1)
     indices = _marked_dtype(indices)
@@ -642,7 +642,7 @@ def _scratch_marks(numel):
 
 
 def _mark(indices, numel, marks=None):
-    """``marks`` (default: a shared buffer, grown as needed) holding ``indices`` (flat, contiguous,
+    """``marks`` (default: this thread's buffer, grown as needed) holding ``indices`` (flat, contiguous,
     int32 or int64, CPU), or None where an index repeats; IndexError where one is out of range."""
     if marks is None:
         marks = _scratch_marks(numel)
