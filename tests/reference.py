@@ -15,7 +15,7 @@ import numpy as np
 
 
 def scalecom_reference(raw_grads, names, size, ratio, beta, warmup_steps, min_numel,
-                       leader="cyclic", value_dtype=np.float32, pipelined=False, skip_memory=()):
+                       leader="cyclic", value_dtype=np.float32, pipelined=False, skip_memory=(), chosen_sets=None):
     """Applied (averaged) gradients of every step.
 
     raw_grads[t][rank][name]: each rank's gradient at step t (any shape).
@@ -23,6 +23,9 @@ def scalecom_reference(raw_grads, names, size, ratio, beta, warmup_steps, min_nu
     skip_memory: (t, name) pairs whose reduction was non-finite: the memory keeps its value.
     pipelined: I at step t is the top-k of the step-t leader's p at step t - 1 (fresh at the first
         compressed step).
+    chosen_sets: {(t, name): indices} the code under test chose, where ties at the k-th magnitude
+        are likely (bfloat16 gradients): each must be a top-k of the leader's |p| and is taken as I;
+        elsewhere ties go to the lowest indices.
     Returns (applied, memories): applied[t][name] is the dense averaged update; memories[rank][name]
     the residue memory after the last step.
     """
@@ -42,6 +45,13 @@ def scalecom_reference(raw_grads, names, size, ratio, beta, warmup_steps, min_nu
             k = max(1, math.ceil(ratio * numel))
             source = p[j] if not pipelined or t == warmup_steps else previous_p[name][j]
             chosen = np.argsort(-np.abs(source), kind="stable")[:k]                  # I = top_k |p_j|
+            if chosen_sets is not None and (t, name) in chosen_sets:
+                given = np.asarray(chosen_sets[(t, name)]).reshape(-1)
+                magnitudes = np.abs(source)
+                assert given.size == k == np.unique(given).size, (t, name, given.size, k)
+                assert magnitudes[given].min() >= np.delete(magnitudes, given).max(), \
+                    f"step {t}, {name}: the chosen indices are not a top-k of the leader's |p|"
+                chosen = given
             previous_p[name] = p
             v = [p[r][chosen].astype(value_dtype).astype(np.float32) for r in range(size)]  # v_i = p_i[I]
             sent = [np.zeros(numel, np.float32) for _ in range(size)]

@@ -242,6 +242,8 @@ TF_ROWS = [
     (tf_scalecom, "variables", lambda tf, keras: "w", TypeError, "variables"),
     (tf_scalecom, "variables", lambda tf, keras: [tf.Variable(tf.zeros([3]), name="w")] * 2, ValueError,
      "twice"),
+    (tf_scalecom, "variables", lambda tf, keras: [tf.Variable(tf.zeros([3], tf.bfloat16), name="w")], TypeError,
+     "'w' is bfloat16: Horovod's TensorFlow collectives have no bfloat16 kernel"),
     (tf_train_step, "model", lambda tf, keras: "model", TypeError, "model"),
     (tf_train_step, "model", lambda tf, keras: keras.Sequential([keras.layers.Dense(2)]), ValueError,
      "built"),

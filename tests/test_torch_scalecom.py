@@ -18,14 +18,15 @@ def raw_grads(results, steps, names=NAMES):
 
 
 def check_against_reference(results, opts, steps, names=NAMES, rtol=2e-5, atol=1e-6, value_dtype=np.float32,
-                            skip=()):
+                            skip=(), chosen_sets=None):
     if "advance_min_numel" in opts:  # the traded-buffer path ran on every rank (each leads only some steps)
         assert all(int(r["traded"]) > 0 for r in results), [int(r["traded"]) for r in results]
     grads, first = raw_grads(results, steps, names)
     applied, memories = scalecom_reference(
         grads, names, len(results), opts.get("ratio", 0.05), opts.get("beta", 0.5),
         opts.get("warmup_steps", 0), opts.get("min_numel", 600), opts.get("leader", "cyclic"),
-        value_dtype=value_dtype, pipelined=opts.get("pipelined", False), skip_memory=skip)
+        value_dtype=value_dtype, pipelined=opts.get("pipelined", False), skip_memory=skip,
+        chosen_sets=chosen_sets)
     for t in range(steps):
         for n in names:
             if (t, n) in skip:
@@ -185,6 +186,23 @@ def test_sparse_as_dense_embedding(horovod_job):
     check_identical_weights(results, names)
 
 
+def test_a_sparse_embedding_gradient_bypasses_scalecom_without_a_hang(horovod_job):
+    """With Horovod's default sparse_as_dense=False a sparse gradient is allgathered without
+    compress: the receives every rank posted ahead for it are dropped (its leader completes them
+    with a broadcast of its own), the other parameters match the reference, and the embedding
+    gets the plain average of the ranks' gradients."""
+    opts = {"ratio": 0.05, "beta": 0.5, "min_numel": 600, "steps": 5, "embedding": True}
+    results, _ = horovod_job("torch_scalecom.py", opts, np=3)
+    check_against_reference(results, opts, steps=5)
+    for t in range(5):
+        mean = np.mean([r[f"raw/{t}/embed.weight"] for r in results], axis=0)
+        assert np.count_nonzero(mean) > 0.5 * mean.size  # (48 of 50 rows or so: not a sparse update)
+        for rank, r in enumerate(results):
+            np.testing.assert_allclose(r[f"applied/{t}/embed.weight"], mean, rtol=1e-5, atol=1e-7,
+                                       err_msg=f"step {t}, rank {rank}")
+    check_identical_weights(results, NAMES + ["embed.weight"])
+
+
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_checkpoint_round_trip_continues_identically(horovod_job, tmp_path, pipelined):
     """10 steps straight equal 5 steps, a checkpoint, new processes, and 5 more steps."""
@@ -237,6 +255,30 @@ def test_fp16_gradients_keep_an_fp32_memory(horovod_job):
     assert results[0]["memory/hidden.weight"].dtype == np.float32
     check_against_reference(results, opts, steps=5, rtol=5e-3, atol=5e-4, value_dtype=np.float16)
     check_identical_weights(results)
+
+
+def test_bf16_gradients_travel_as_fp32_and_keep_an_fp32_memory(horovod_job):
+    """Horovod's collectives take no bfloat16: the selected values (by default) and the dense
+    gradients (warm-up, small tensors) travel as float32, and the optimizer gets bfloat16 back."""
+    opts = {"ratio": 0.05, "beta": 0.5, "min_numel": 600, "warmup_steps": 1, "steps": 5, "dtype": "bfloat16",
+            "record_indices": True}
+    results, _ = horovod_job("torch_scalecom.py", opts, np=2)
+    assert results[0]["memory/hidden.weight"].dtype == np.float32
+    assert str(results[0]["applied_dtype"]) == "torch.bfloat16"
+    # Gradients of 8 mantissa bits often tie at the k-th magnitude: the reference checks that each
+    # leader's choice is a top-k and follows it. (The applied gradients are the float32 reduction
+    # rounded to bfloat16.)
+    chosen = {(int(key.split("/")[1]), key.split("/")[2]): results[0][key] for key in results[0]
+              if key.startswith("chosen/")}
+    assert sorted(chosen) == [(t, n) for t in range(1, 5) for n in ("hidden.weight", "out.weight")]
+    for key in results[0]:
+        if key.startswith("chosen/"):
+            np.testing.assert_array_equal(results[1][key], results[0][key])  # one I on every rank
+    check_against_reference(results, opts, steps=5, rtol=8e-3, atol=1e-6, chosen_sets=chosen)
+    check_identical_weights(results)
+    stats = json.loads(str(results[0]["stats"]))
+    assert stats["value_bytes"] == 4 * (154 + 32)  # k fp32 values of hidden.weight and out.weight
+    assert stats["dense_bytes"] == 4 * (64 + 10)  # the biases, as fp32
 
 
 def test_loss_scale_changes_rescale_the_memory(horovod_job):

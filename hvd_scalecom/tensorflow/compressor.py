@@ -637,6 +637,10 @@ def _variable_specs(variables):
         if not dtype.is_floating:
             raise TypeError(f"variables[{index}] {name!r} is {dtype.name}, ScaleCom compresses "
                             f"floating-point variables")
+        if dtype == tf.bfloat16:
+            raise TypeError(f"variables[{index}] {name!r} is bfloat16: Horovod's TensorFlow collectives have "
+                            f"no bfloat16 kernel, so its gradient cannot be reduced, with ScaleCom or without "
+                            f"(a mixed_bfloat16 policy keeps variables in float32)")
         shape = tuple(v.shape)
         if any(d is None for d in shape):
             raise ValueError(f"variables[{index}] {name!r} has an unknown shape {shape}")

@@ -63,6 +63,12 @@ _TORCH_DTYPES = {
 }
 
 
+def _wire_dtype(dtype):
+    """The dtype a gradient of ``dtype`` travels in where ScaleCom is not told otherwise: its own, but
+    bfloat16 as float32 (Horovod's collectives take no bfloat16)."""
+    return torch.float32 if dtype is torch.bfloat16 else dtype
+
+
 def _as_dtype(tensor, dtype):
     """``tensor.to(dtype)`` without the call where it already has that dtype (a microsecond or two
     per tensor and step)."""
@@ -103,7 +109,8 @@ class ScaleCom(Compressor):
         selection: ``"threshold"`` (default) or ``"exact"`` top-k: the same indices (see
             ``clt_k.select_top_k``); "threshold" finds them several times faster on large tensors.
         value_dtype: dtype the selected values travel in, ``torch.float16`` or ``torch.float32``
-            (default: the gradient's dtype; Horovod's collectives take no bfloat16).
+            (default: the gradient's dtype, but float32 for bfloat16 gradients: Horovod's
+            collectives take no bfloat16, so dense bfloat16 gradients travel as float32 too).
         index_dtype: ``torch.int32`` (default; int64 for tensors of 2**31 entries or more) or
             ``torch.int64`` for the broadcast indices.
         pipelined: use indices selected one step earlier, so that their broadcast never stalls the
@@ -179,9 +186,10 @@ class ScaleCom(Compressor):
         dense_bytes = numel * tensor.element_size()
         if not self.config.is_compressed(numel, t):
             slot.step += 1
-            self.traffic.record(t, dense_bytes=dense_bytes, uncompressed_bytes=dense_bytes,
+            sent = _as_dtype(tensor, _wire_dtype(tensor.dtype))  # (decompress casts a bf16 one back)
+            self.traffic.record(t, dense_bytes=numel * sent.element_size(), uncompressed_bytes=dense_bytes,
                                 compress_seconds=time.perf_counter() - start)
-            return tensor, None
+            return sent, (None if sent is tensor else tensor.dtype)
 
         size, rank = self._size_rank()
         leader = self.config.leader_rank(t, size, slot.index)
@@ -230,7 +238,7 @@ class ScaleCom(Compressor):
         if taken is None:
             indices = _as_dtype(indices, torch.int64)  # once, for take_checking and decompress
             taken = clt_k.take_checking(slot.memory, tensor, indices)
-        values = _as_dtype(taken.values, self._value_dtype or tensor.dtype)
+        values = _as_dtype(taken.values, self._value_dtype or _wire_dtype(tensor.dtype))
         if not taken.finite:
             # A non-finite gradient anywhere on this rank makes the values it sends NaN, so that every
             # rank sees a non-finite reduction and skips this tensor's memory update (see decompress).
@@ -250,6 +258,8 @@ class ScaleCom(Compressor):
         alike whether the step is finite), then the reduced values scattered into the gradient."""
         if ctx is None:
             return tensor
+        if isinstance(ctx, torch.dtype):  # a dense bfloat16 gradient, reduced as float32
+            return tensor.to(ctx)
         start = time.perf_counter()
         slot, t, indices, grad, taken, sending, advanced, version, original = ctx
         self._synchronize(sending, slot)  # long done: every rank received it before reducing
@@ -261,7 +271,7 @@ class ScaleCom(Compressor):
                 f"optimizer's synchronize(): change gradients (clipping, unscaling) only after "
                 f"optimizer.synchronize(), then step inside optimizer.skip_synchronize(). This step "
                 f"cannot be completed (the memory is kept; the gradient's buffer is not)")
-        sent = _as_dtype(taken.values, self._value_dtype or grad.dtype)  # as this rank sent them
+        sent = _as_dtype(taken.values, self._value_dtype or _wire_dtype(grad.dtype))  # as this rank sent them
         if advanced:  # the buffers trade places: the gradient's becomes the memory, and vice versa
             out, slot.memory, updated = clt_k.filter_and_scatter_advanced(
                 slot.memory, grad, indices, tensor, taken, sent, self.config.beta, slot.marks)

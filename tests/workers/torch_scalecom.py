@@ -134,8 +134,9 @@ optimizer = hvd.DistributedOptimizer(
     backward_passes_per_step=passes, groups=groups, sparse_as_dense=opts.get("sparse_as_dense", False),
     gradient_predivide_factor=opts.get("gradient_predivide_factor", 1.0),
     op=hvd.Adasum if opts.get("op") == "adasum" else hvd.Average, **set_kwargs)
-# (Horovod broadcasts contiguous tensors only; a column-major weight starts equal from the common seed)
-hvd.broadcast_parameters({n: v for n, v in model.state_dict().items() if v.is_contiguous()}, root_rank=0)
+# (Horovod broadcasts contiguous tensors, and no bfloat16 ones; the others start equal from the common seed)
+hvd.broadcast_parameters({n: v for n, v in model.state_dict().items()
+                          if v.is_contiguous() and v.dtype is not torch.bfloat16}, root_rank=0)
 
 poison = opts.get("poison")  # {"rank", "step", "value"}: one entry of hidden.weight's gradient
 current_step = [-1]  # the step whose loss.backward() is running (-1: none)
@@ -157,6 +158,15 @@ if opts.get("resume_from"):
 
 freeze = opts.get("freeze")
 record = {}
+if opts.get("record_indices"):  # I of every compressed step, as decompress receives it (sorted)
+    decompress_once = compression.decompress
+
+    def recording_decompress(tensor, ctx):
+        if ctx is not None and not isinstance(ctx, torch.dtype):
+            slot, step, indices = ctx[:3]
+            record[f"chosen/{step}/{slot.name}"] = indices.long().sort().values.numpy()
+        return decompress_once(tensor, ctx)
+    compression.decompress = recording_decompress
 first_step = opts.get("first_step", 0)
 for t in range(first_step, first_step + opts.get("steps", 6)):
     raw = [torch.zeros_like(p) for p in params]
@@ -220,6 +230,7 @@ for t in range(first_step, first_step + opts.get("steps", 6)):
     for (name, p), r in zip(named, raw):
         record[f"raw/{t}/{name}"] = r.float().numpy()
         record[f"applied/{t}/{name}"] = (p.grad.to_dense() if p.grad.is_sparse else p.grad).float().numpy()
+    record["applied_dtype"] = np.array(str(params[0].grad.dtype))
     optimizer.zero_grad()
 
 for name, p in named:
