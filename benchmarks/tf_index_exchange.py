@@ -1,7 +1,8 @@
 """What the TensorFlow compressor's two ways of sharing the leader's indices cost in time: one
 broadcast per possible root under ``tf.switch_case`` (``index_exchange="broadcast"``, the default)
-against a Sum-allreduce where non-leaders contribute zeros (``"allreduce"``, (n - 1) times the index
-bytes, as the TensorFlow tests measure). Writes ``docs/tf_index_exchange.md``.
+against a Sum-allreduce where non-leaders contribute zeros (``"allreduce"``: twice the index bytes on
+the wire, a ring allreduce of B bytes sending 2 (n - 1) / n B per worker against a broadcast's
+(n - 1) / n B on average, as ``hvd_scalecom.traffic`` counts them). Writes ``docs/tf_index_exchange.md``.
 
     .venv/bin/python -m benchmarks.tf_index_exchange            # 2 and 3 workers, 3 epochs, 3 repeats
     .venv/bin/python -m benchmarks.tf_index_exchange --smoke    # 2 workers, 1 epoch, 1 repeat

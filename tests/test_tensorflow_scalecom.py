@@ -194,6 +194,16 @@ def test_eager_matches_reference_allreduce_exchange(horovod_job):
     assert density(applied[5], "hidden.weight") == pytest.approx(0.05, abs=0.002)
 
 
+def test_function_on_three_ranks_broadcasts_from_every_root_and_matches_reference(horovod_job):
+    """tf.function with the default broadcast exchange on 3 ranks: the leaders of steps 1-6 are
+    ranks 1, 2, 0, 1, 2, 0, so every branch of the switch_case over roots runs."""
+    opts = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 7, "mode": "function"}
+    results, _ = horovod_job("tf_scalecom.py", opts, np=3)
+    applied, _ = check_against_reference(results, opts, steps=7)
+    check_identical_weights(results)
+    assert [density(applied[t], "hidden.weight") == 1.0 for t in range(7)] == [True] + [False] * 6
+
+
 def test_pipelined_matches_reference(horovod_job):
     """pipelined=True, 2 ranks, staggered leader, 1 warm-up step: step t uses the indices its
     leader chose at step t - 1 (fresh at the first compressed step); state_dict() holds those chosen

@@ -58,18 +58,19 @@ def test_a_process_set_given_to_the_optimizer_alone_ends_with_a_clear_error(horo
     assert any("RuntimeError: ScaleCom: still waiting after 8 s" in section for section in sections)
 
 
-@pytest.mark.parametrize("per_rank, differing", [
-    ({"1": {"ratio": 0.02}}, "ratio"),
-    ({"2": {"leader": "staggered"}}, "leader"),
-    ({"0": {"min_numel": 100}, "2": {"beta": 0.25}}, "beta, min_numel"),
-    ({"1": {"drop_last_param": True}}, "parameter_digest, parameters"),
+@pytest.mark.parametrize("size, per_rank, differing", [
+    (2, {"1": {"ratio": 0.02}}, "ratio"),
+    (3, {"1": {"ratio": 0.02}}, "ratio"),
+    (3, {"2": {"leader": "staggered"}}, "leader"),
+    (3, {"0": {"min_numel": 100}, "2": {"beta": 0.25}}, "beta, min_numel"),
+    (3, {"1": {"drop_last_param": True}}, "parameter_digest, parameters"),
 ])
-def test_ranks_that_disagree_all_get_one_clear_error(horovod_job, per_rank, differing):
+def test_ranks_that_disagree_all_get_one_clear_error(horovod_job, size, per_rank, differing):
     from hvd_scalecom.launch import HorovodRunError
     with pytest.raises(HorovodRunError) as failure:
-        horovod_job("torch_scalecom.py", {"steps": 2, "per_rank": per_rank}, np=3, timeout=120)
+        horovod_job("torch_scalecom.py", {"steps": 2, "per_rank": per_rank}, np=size, timeout=120)
     report = str(failure.value)
-    for rank in range(3):
+    for rank in range(size):
         section = report.split(f"----- rank {rank} -----", 1)[1].split("-----", 1)[0]
         assert f"ScaleCom is configured differently on different ranks ({differing} differ" in section
 
