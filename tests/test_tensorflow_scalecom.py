@@ -204,6 +204,17 @@ def test_function_on_three_ranks_broadcasts_from_every_root_and_matches_referenc
     assert [density(applied[t], "hidden.weight") == 1.0 for t in range(7)] == [True] + [False] * 6
 
 
+def test_horovods_optimizer_wrapper_around_a_compat_v1_optimizer_matches_reference(horovod_job):
+    """hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer, compression=ScaleCom)
+    (around a Keras 3 optimizer it reduces nothing: the README says so)."""
+    opts = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 5,
+            "mode": "v1_optimizer", "lr": 1.0}
+    results, _ = horovod_job("tf_scalecom.py", opts, np=2)
+    check_against_reference(results, opts, steps=5, rtol=1e-4, atol=1e-6)
+    check_identical_weights(results)
+    assert json.loads(str(results[0]["stats"]))["total"]["tensors"] == 4 * 5
+
+
 def test_pipelined_matches_reference(horovod_job):
     """pipelined=True, 2 ranks, staggered leader, 1 warm-up step: step t uses the indices its
     leader chose at step t - 1 (fresh at the first compressed step); state_dict() holds those chosen

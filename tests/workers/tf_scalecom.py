@@ -88,6 +88,12 @@ else:
 
     if mode == "function":
         step = tf.function(step)
+    elif mode == "v1_optimizer":  # Horovod's own optimizer wrapper, around a tf.compat.v1 optimizer
+        v1_optimizer = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(LR),
+                                                compression=compression, op=OP, **set_kwargs)
+
+        def step(x, y):
+            v1_optimizer.minimize(lambda: loss_of(weights, x, y), var_list=weights)
 
 
 def own_gradients(x, y):
@@ -108,7 +114,10 @@ def train(first_step, steps, record, compression_used, label=""):
             x = tf.tensor_scatter_nd_update(x, [[0, 7]], [float("nan")])
         raw = own_gradients(x, y)
         before = [w.numpy() for w in weights]
-        if mode != "keras":
+        if mode == "v1_optimizer":
+            step(x, y)
+            applied = [(b - w.numpy()) / LR for b, w in zip(before, weights)]  # plain gradient descent
+        elif mode != "keras":
             applied = [g.numpy() for g in step(x, y)]
             if writer is not None and not label:
                 log_stats(writer, compression_used, t)
