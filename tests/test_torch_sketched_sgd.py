@@ -105,6 +105,9 @@ add_run("np2_second", "sketched_sum_second", "torch_seed_sketched.py",
         lambda root: {**SUM_OPTS, "steps": 3, "first_step": 4,
                       "resume_from": str(root / "sketched_sum_first")},
         ["test_sum_op_groups_accumulation_and_checkpoint_round_trip"])
+BF16 = {**BASE, "warmup_steps": 1, "steps": 4, "dtype": "bfloat16"}
+add_run("np2_first", "sketched_bf16", "torch_seed_sketched.py", BF16,
+        ["test_bf16_gradients_travel_as_fp32_and_match_the_reference"])
 add_run("np2_first", "sketched_disagreeing", "torch_seed_sketched.py",
         {**BASE, "steps": 2, "per_rank": {"1": {"rows": 5}}},
         ["test_ranks_configured_differently_all_raise"], fails=True)
@@ -282,6 +285,15 @@ def test_sum_op_groups_accumulation_and_checkpoint_round_trip(request, tmp_path_
     # Control: without the restored momentum and error the same gradients give other updates.
     with pytest.raises(AssertionError):
         replay(fresh, second, 3, first=4, scale=2.0)
+
+
+def test_bf16_gradients_travel_as_fp32_and_match_the_reference(request, tmp_path_factory):
+    """Horovod's collectives take no bfloat16: the dense warm-up reduction, the sketch and the probe
+    travel as float32, and the optimizer gets the reference's update rounded to bfloat16."""
+    results = completed(shared_job("np2_first", request, tmp_path_factory), "sketched_bf16", 2)
+    assert str(results[0]["applied_dtype"]) == "torch.bfloat16"
+    follow(reference(BF16, 2), results, BF16["steps"], rtol=8e-3, atol=1e-6)
+    check_identical_weights(results)
 
 
 def test_ranks_configured_differently_all_raise(request, tmp_path_factory):

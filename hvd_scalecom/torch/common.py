@@ -20,6 +20,12 @@ from hvd_scalecom.torch.clt_k import memory_dtype
 _USAGE = "named_parameters must be an iterable of (name, parameter) pairs, such as model.named_parameters()"
 
 
+def wire_dtype(dtype):
+    """The dtype a gradient of ``dtype`` travels in where a scheme is not told otherwise: its own,
+    but bfloat16 as float32 (Horovod 0.28.1's collectives take no bfloat16)."""
+    return torch.float32 if dtype is torch.bfloat16 else dtype
+
+
 def named_parameter_list(named_parameters, scheme):
     """``[(name, parameter)]`` from ``named_parameters``; TypeError/ValueError naming the problem."""
     if named_parameters is None or isinstance(named_parameters, (str, bytes, torch.Tensor)):

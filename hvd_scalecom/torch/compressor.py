@@ -51,7 +51,8 @@ from hvd_scalecom.config import HOROVOD_VALUE_DTYPES, INDEX_DTYPES, ScaleComConf
 from hvd_scalecom.state import check_next_indices, checked_params
 from hvd_scalecom.torch import clt_k
 from hvd_scalecom.torch.common import (GradientLookup, as_memory_of, check_agreement, check_process_set,
-                                      check_state_entry, named_parameter_list, stall_times, wait)
+                                      check_state_entry, named_parameter_list, stall_times, wait,
+                                      wire_dtype)
 from hvd_scalecom.traffic import TrafficMeter
 
 _TORCH_DTYPES = {
@@ -61,12 +62,6 @@ _TORCH_DTYPES = {
     "int32": torch.int32,
     "int64": torch.int64,
 }
-
-
-def _wire_dtype(dtype):
-    """The dtype a gradient of ``dtype`` travels in where ScaleCom is not told otherwise: its own, but
-    bfloat16 as float32 (Horovod's collectives take no bfloat16)."""
-    return torch.float32 if dtype is torch.bfloat16 else dtype
 
 
 def _as_dtype(tensor, dtype):
@@ -186,7 +181,7 @@ class ScaleCom(Compressor):
         dense_bytes = numel * tensor.element_size()
         if not self.config.is_compressed(numel, t):
             slot.step += 1
-            sent = _as_dtype(tensor, _wire_dtype(tensor.dtype))  # (decompress casts a bf16 one back)
+            sent = _as_dtype(tensor, wire_dtype(tensor.dtype))  # (decompress casts a bf16 one back)
             self.traffic.record(t, dense_bytes=numel * sent.element_size(), uncompressed_bytes=dense_bytes,
                                 compress_seconds=time.perf_counter() - start)
             return sent, (None if sent is tensor else tensor.dtype)
@@ -238,7 +233,7 @@ class ScaleCom(Compressor):
         if taken is None:
             indices = _as_dtype(indices, torch.int64)  # once, for take_checking and decompress
             taken = clt_k.take_checking(slot.memory, tensor, indices)
-        values = _as_dtype(taken.values, self._value_dtype or _wire_dtype(tensor.dtype))
+        values = _as_dtype(taken.values, self._value_dtype or wire_dtype(tensor.dtype))
         if not taken.finite:
             # A non-finite gradient anywhere on this rank makes the values it sends NaN, so that every
             # rank sees a non-finite reduction and skips this tensor's memory update (see decompress).
@@ -271,7 +266,7 @@ class ScaleCom(Compressor):
                 f"optimizer's synchronize(): change gradients (clipping, unscaling) only after "
                 f"optimizer.synchronize(), then step inside optimizer.skip_synchronize(). This step "
                 f"cannot be completed (the memory is kept; the gradient's buffer is not)")
-        sent = _as_dtype(taken.values, self._value_dtype or _wire_dtype(grad.dtype))  # as this rank sent them
+        sent = _as_dtype(taken.values, self._value_dtype or wire_dtype(grad.dtype))  # as this rank sent them
         if advanced:  # the buffers trade places: the gradient's becomes the memory, and vice versa
             out, slot.memory, updated = clt_k.filter_and_scatter_advanced(
                 slot.memory, grad, indices, tensor, taken, sent, self.config.beta, slot.marks)

@@ -43,7 +43,7 @@ from hvd_scalecom.baseline_config import SketchedSGDConfig
 from hvd_scalecom.state import checked_params
 from hvd_scalecom.torch import clt_k
 from hvd_scalecom.torch.common import (GradientLookup, as_memory_of, check_agreement, check_process_set,
-                                      check_state_entry, named_parameter_list, stall_times)
+                                      check_state_entry, named_parameter_list, stall_times, wire_dtype)
 from hvd_scalecom.torch.sketch import CountSketch
 from hvd_scalecom.torch.sketched_steps import (accumulate_, applied_update, heavy_candidates,
                                                select_applied, vector_dtype, zero_applied_)
@@ -137,16 +137,17 @@ class SketchedSGD(Compressor):
         if i not in self._offset or t < self.config.warmup_steps:
             u = self._momentum_of(i, tensor)
             u.mul_(self.config.momentum).add_(tensor.reshape(-1))                    # u <- rho u + g
-            self.traffic.record(t, dense_bytes=dense_bytes, uncompressed_bytes=dense_bytes,
+            sent = u.to(wire_dtype(tensor.dtype), copy=True).view(tensor.shape)  # fresh: reduced in place
+            self.traffic.record(t, dense_bytes=sent.numel() * sent.element_size(), uncompressed_bytes=dense_bytes,
                                 compress_seconds=time.perf_counter() - start)
-            return u.to(tensor.dtype, copy=True).view(tensor.shape), None  # fresh: reduced in place
+            return sent, (None if sent.dtype is tensor.dtype else tensor.dtype)  # (bf16: back in decompress)
 
         r = self._round_for(i, t)
         part = slice(self._offset[i], self._offset[i] + tensor.numel())
         self._buffers(tensor)
         accumulate_(self._u[part], self._v[part], tensor, self.config.momentum)  # u, v on this slice
         r.compressed.add(i)
-        probe = torch.ones(1, dtype=tensor.dtype, device=tensor.device)
+        probe = torch.ones(1, dtype=wire_dtype(tensor.dtype), device=tensor.device)
         value_bytes = probe.element_size()
         if len(r.compressed) == len(self._sketched):  # the step's last sketched tensor: round 1
             if self._sketch is None:
@@ -162,6 +163,8 @@ class SketchedSGD(Compressor):
     def decompress(self, tensor, ctx):
         if ctx is None:
             return tensor
+        if isinstance(ctx, torch.dtype):  # a dense bfloat16 gradient, reduced as float32
+            return tensor.to(ctx)
         start = time.perf_counter()
         i, t, shape, dtype = ctx
         r = self._round

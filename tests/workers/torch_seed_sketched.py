@@ -39,6 +39,8 @@ class Net(torch.nn.Module):
 
 torch.manual_seed(0)
 model = Net()
+if opts.get("dtype"):
+    model = model.to(getattr(torch, opts["dtype"]))
 named = list(model.named_parameters())
 params = [p for _, p in named]
 compression = SketchedSGD(model.named_parameters(), ratio=opts.get("ratio", 0.02), rows=opts.get("rows", 3),
@@ -54,7 +56,8 @@ optimizer = hvd.DistributedOptimizer(
     groups=[[model.hidden.weight, model.out.weight]] if opts.get("groups") else None,
     gradient_predivide_factor=opts.get("gradient_predivide_factor", 1.0),
     op=hvd.Sum if opts.get("op") == "sum" else hvd.Average)
-hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+if not opts.get("dtype"):  # (Horovod broadcasts no bfloat16; every rank starts alike from the seed)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 
 if opts.get("resume_from"):
     saved = torch.load(os.path.join(opts["resume_from"], f"ckpt{rank}.pt"))
@@ -69,7 +72,7 @@ for t in range(first_step, first_step + opts.get("steps", 6)):
     raw = [torch.zeros_like(p) for p in params]
     for k in range(passes):
         data_gen = torch.Generator().manual_seed(10000 * t + 100 * k + rank)
-        x = torch.randn(16, 48, generator=data_gen)
+        x = torch.randn(16, 48, generator=data_gen).to(params[0].dtype)
         y = torch.randint(0, 10, (16,), generator=data_gen)
         no_grad = rank == opts.get("no_out_weight_grad_on_rank") and t % 2 == 1
 
@@ -83,13 +86,14 @@ for t in range(first_step, first_step + opts.get("steps", 6)):
         loss_fn().backward()
     optimizer.step()
     for (name, p), r in zip(named, raw):
-        record[f"raw/{t}/{name}"] = r.numpy()
-        record[f"applied/{t}/{name}"] = p.grad.numpy().copy()
+        record[f"raw/{t}/{name}"] = r.float().numpy()
+        record[f"applied/{t}/{name}"] = p.grad.float().numpy()
+    record["applied_dtype"] = np.array(str(params[0].grad.dtype))
     record[f"stats/{t}"] = np.array(json.dumps(compression.stats(step=t)))
     optimizer.zero_grad()
 
 for name, p in named:
-    record[f"final/{name}"] = p.detach().numpy()
+    record[f"final/{name}"] = p.detach().float().numpy()
 record["stats"] = np.array(json.dumps(compression.stats()))
 np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **record)
 if opts.get("checkpoint"):
