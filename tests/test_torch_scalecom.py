@@ -257,6 +257,22 @@ def test_fp16_gradients_keep_an_fp32_memory(horovod_job):
     check_identical_weights(results)
 
 
+def test_a_real_grad_scaler_rescales_the_memory_and_skips_a_non_finite_step(horovod_job):
+    """torch.amp.GradScaler as loss_scaler: its scale doubles every 2 finite steps and halves at the
+    step where rank 1's gradient holds an Inf (every rank skips it: the reduction is NaN); the
+    unscaled updates and memories equal the reference's, that step's memory update skipped."""
+    opts = {"ratio": 0.05, "beta": 0.5, "min_numel": 600, "steps": 7,
+            "grad_scaler": {"init_scale": 1024.0, "growth_interval": 2},
+            "poison": {"rank": 1, "step": 3, "value": "inf"}}
+    results, _ = horovod_job("torch_scalecom.py", opts, np=2)
+    for r in results:
+        assert [float(r[f"scale/{t}"]) for t in range(7)] == [1024, 1024, 2048, 2048, 1024, 1024, 2048]
+        assert not np.isfinite(r["applied/3/hidden.weight"]).all()
+        assert json.loads(str(r["stats"]))["nonfinite_skips"] == 1
+    check_against_reference(results, opts, steps=7, rtol=1e-4, skip={(3, "hidden.weight")})
+    check_identical_weights(results)
+
+
 def test_bf16_gradients_travel_as_fp32_and_keep_an_fp32_memory(horovod_job):
     """Horovod's collectives take no bfloat16: the selected values (by default) and the dense
     gradients (warm-up, small tensors) travel as float32, and the optimizer gets bfloat16 back."""

@@ -95,6 +95,11 @@ class ScheduledLossScale:
 
 
 scaler = ScheduledLossScale(opts["loss_scale_schedule"]) if opts.get("loss_scale_schedule") else None
+grad_scaler = None  # {"init_scale", "growth_interval"}: a real torch.amp.GradScaler
+if opts.get("grad_scaler"):
+    grad_scaler = torch.amp.GradScaler("cpu", init_scale=opts["grad_scaler"]["init_scale"],
+                                       growth_interval=opts["grad_scaler"]["growth_interval"])
+    scaler = grad_scaler
 per_rank = opts.get("per_rank", {}).get(str(rank), {})  # deliberately disagreeing ranks
 opts = {**opts, **per_rank}
 compression = ScaleCom(
@@ -207,12 +212,21 @@ for t in range(first_step, first_step + opts.get("steps", 6)):
                 part.backward()
         else:
             loss = loss_fn()
-            if scaler is not None:
+            if grad_scaler is not None:
+                record[f"scale/{t}"] = np.array(grad_scaler.get_scale())
+                loss = grad_scaler.scale(loss)
+            elif scaler is not None:
                 scaler.step = t
                 loss = loss * scaler.get_scale()
             loss.backward()
         current_step[0] = -1
-    if scaler is not None:  # unscale, as GradScaler.unscale_ would
+    if grad_scaler is not None:  # as torch.amp's recipe for Horovod has it
+        optimizer.synchronize()
+        grad_scaler.unscale_(optimizer)
+        with optimizer.skip_synchronize():
+            grad_scaler.step(optimizer)
+        grad_scaler.update()
+    elif scaler is not None:  # unscale, as GradScaler.unscale_ would
         optimizer.synchronize()
         for p in params:
             p.grad /= scaler.get_scale()
