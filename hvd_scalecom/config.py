@@ -22,7 +22,8 @@ LEADER_POLICIES = ("cyclic", "staggered")
 SELECTIONS = ("exact", "threshold")
 VALUE_DTYPES = (None, "float32", "float16", "bfloat16")
 # Horovod 0.28.1's collectives take no bfloat16 (PyTorch: "BFloat16Tensor is not supported"; TensorFlow:
-# no kernel): on Horovod, values travel in the gradient's dtype or these; the simulator takes all.
+# no kernel): on Horovod, values travel in the gradient's dtype (PyTorch: a bfloat16 gradient's as
+# float32) or these; the simulator takes all.
 HOROVOD_VALUE_DTYPES = tuple(d for d in VALUE_DTYPES if d != "bfloat16")
 INDEX_DTYPES = ("int64", "int32")
 INT32_INDEX_MAX_NUMEL = 2**31 - 1  # larger tensors' indices travel as int64 whatever index_dtype says
@@ -74,7 +75,8 @@ class ScaleComConfig:
     selection: ``"threshold"`` (default: candidates above a sampled threshold,
         then an exact top-k among them) or ``"exact"`` (a full top-k): the same indices, the first
         found several times faster on large tensors.
-    value_dtype: dtype the selected values travel in (``None``: the gradient's own).
+    value_dtype: dtype the selected values travel in (``None``: the gradient's own; on Horovod in
+        PyTorch a bfloat16 gradient's travel as float32).
     index_dtype: dtype the indices travel in; ``"int32"`` widens to int64 for tensors of 2**31 or
         more entries.
     pipelined: use at step t the indices the leader of step t selected at step t - 1 from its

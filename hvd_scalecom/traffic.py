@@ -108,14 +108,15 @@ class TrafficMeter:
         self._by_step.setdefault(step, StepTraffic()).compress_seconds += seconds
         self._total.compress_seconds += seconds
 
-    def step(self, step):
+    def step(self, step, strict=True):
         """The counts of ``step`` (zeros for one that sent nothing or has not begun); ValueError for
-        one before those kept, the last ``keep + 1`` step numbers (``total`` counts every step)."""
+        one before those kept, the last ``keep + 1`` step numbers (``total`` counts every step), where
+        ``strict`` (else zeros: for a default step, which a rollback can leave behind the newest)."""
         check_int(step, "step", 0)
         entry = self._by_step.get(step)
         if entry is not None:
             return entry
-        if self._by_step and step < max(self._by_step) - self._keep:
+        if strict and self._by_step and step < max(self._by_step) - self._keep:
             raise ValueError(f"step {step} is not kept: the statistics keep the last {self._keep + 1} "
                              f"steps ({max(self._by_step) - self._keep}..{max(self._by_step)}); 'total' "
                              f"counts every step")

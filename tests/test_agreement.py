@@ -157,4 +157,5 @@ def test_traffic_meter_says_which_steps_it_no_longer_keeps():
     assert [meter.step(s).value_bytes for s in (5, 6, 7, 9, 10)] == [0, 7, 0, 10, 0]
     with pytest.raises(ValueError, match=r"step 4 is not kept: the statistics keep the last 5 steps \(5\.\.9\)"):
         meter.step(4)
+    assert meter.step(4, strict=False).value_bytes == 0  # (a default step: zeros, never an error)
     assert meter.total.value_bytes == 1 + 4 + 7 + 10

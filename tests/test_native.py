@@ -259,14 +259,16 @@ def test_threads_each_have_their_own_scratch():
     shared (with one shared bitmap, 67 of 600 gradients here came out wrong)."""
     import threading
 
+    together = threading.Barrier(2)  # both threads inside the C passes at once, call after call
+
     def work(seed, k, wrong):
         memory, grad = inputs(1 << 20, seed=seed)
         indices = torch.randperm(1 << 20, generator=torch.Generator().manual_seed(seed))[:k].sort().values
         taken = clt_k.take_checking(memory, grad, indices)
         reduced = 0.5 * taken.values
         expected = torch.zeros(1 << 20).index_copy_(0, indices, reduced)
-        chosen = clt_k.select_and_take(memory, grad, k, "threshold")[0]
         for _ in range(150):
+            together.wait(timeout=60)
             clt_k.filter_and_scatter_(memory, grad, indices, reduced, taken, taken.values, 0.3)
             wrong[seed] += not torch.equal(grad, expected)
             wrong[seed] += not torch.equal(clt_k.select_and_take(memory, grad, k, "threshold")[0],

@@ -83,6 +83,23 @@ def one_rank_scalecom(numel, dtype=torch.float32, **kwargs):
     return param, ScaleCom([("w", param)], ratio=0.01, min_numel=16, **kwargs)
 
 
+def test_stats_refuses_a_step_no_longer_kept_only_where_one_is_asked_for():
+    """After a rollback (load_state_dict of an earlier state) the default step, the last complete
+    one, may lie before the steps kept: stats() then gives its zeros; stats(step=) of it raises."""
+    param, compression = one_rank_scalecom(4096)
+    for t in range(10):
+        param.grad = torch.randn(4096)
+        values, ctx = compression.compress(param.grad)
+        compression.decompress(values, ctx)
+        if t == 2:
+            state = compression.state_dict()
+    assert compression.stats(step=9)["value_bytes"] == 4 * 41
+    compression.load_state_dict(state)
+    assert (compression.stats()["step"], compression.stats()["value_bytes"]) == (2, 0)
+    with pytest.raises(ValueError, match=r"step 2 is not kept: the statistics keep the last 5 steps \(5\.\.9\)"):
+        compression.stats(step=2)
+
+
 def test_a_parameter_that_changed_size_is_refused_before_anything_changes():
     """Its memory no longer fits the gradient (the C passes would read past one of them)."""
     param, compression = one_rank_scalecom(4096)

@@ -295,6 +295,7 @@ def test_bf16_gradients_travel_as_fp32_and_keep_an_fp32_memory(horovod_job):
     stats = json.loads(str(results[0]["stats"]))
     assert stats["value_bytes"] == 4 * (154 + 32)  # k fp32 values of hidden.weight and out.weight
     assert stats["dense_bytes"] == 4 * (64 + 10)  # the biases, as fp32
+    assert stats["uncompressed_bytes"] == 4 * (3072 + 64 + 640 + 10)  # dense reduction as Horovod can (fp32)
 
 
 def test_loss_scale_changes_rescale_the_memory(horovod_job):

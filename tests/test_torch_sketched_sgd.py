@@ -35,6 +35,9 @@ SUM_OPTS = {**BASE, "op": "sum", "groups": True, "backward_passes_per_step": 2}
 
 WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers")
 SEQUENCE = ("import json, runpy, sys\n"
+            f"sys.path.insert(0, {WORKERS!r})\n"
+            "import lingering\n"
+            "lingering.install()  # a failing run's error printed on every rank before horovodrun stops them\n"
             "for script, opts, out_dir in json.loads(sys.argv[1]):\n"
             "    sys.argv = [script, opts, out_dir]\n"
             "    runpy.run_path(script, run_name='__main__')\n"

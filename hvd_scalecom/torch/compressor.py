@@ -178,13 +178,13 @@ class ScaleCom(Compressor):
         may_advance = not tensor.requires_grad
         tensor = tensor.detach()
         t = slot.step
-        dense_bytes = numel * tensor.element_size()
+        dense_bytes = numel * wire_dtype(tensor.dtype).itemsize  # (what Horovod can reduce: bf16 as fp32)
         if not self.config.is_compressed(numel, t):
             slot.step += 1
             sent = _as_dtype(tensor, wire_dtype(tensor.dtype))  # (decompress casts a bf16 one back)
-            self.traffic.record(t, dense_bytes=numel * sent.element_size(), uncompressed_bytes=dense_bytes,
+            self.traffic.record(t, dense_bytes=dense_bytes, uncompressed_bytes=dense_bytes,
                                 compress_seconds=time.perf_counter() - start)
-            return sent, (None if sent is tensor else tensor.dtype)
+            return sent, (None if sent.dtype is tensor.dtype else tensor.dtype)
 
         size, rank = self._size_rank()
         leader = self.config.leader_rank(t, size, slot.index)
@@ -203,7 +203,7 @@ class ScaleCom(Compressor):
 
     def _compress_step(self, slot, tensor, t, numel, k, size, rank, leader, may_advance, start):
         """Steps 2-3 of ``compress`` for a compressed step ``t``: the indices, then ``p[I]``."""
-        dense_bytes = numel * tensor.element_size()
+        dense_bytes = numel * wire_dtype(tensor.dtype).itemsize
         wait_from = time.perf_counter()
         sending = None  # the leader's own broadcast, completed in decompress (never waited for here)
         taken = None  # a clt_k.Taken (p_i[I], finite, ...) once taken
@@ -293,17 +293,19 @@ class ScaleCom(Compressor):
 
     def stats(self, step=None):
         """Payload bytes and compute time of ``step`` on this rank (default: the last complete step).
-        The last five steps are kept; an earlier one is a ValueError (``total`` counts every step).
+        The last five steps are kept; an earlier one asked for is a ValueError (``total`` counts every
+        step; the default step never is one).
 
         Returns a dict with ``step``, ``index_bytes``, ``value_bytes``, ``dense_bytes``, ``sent_bytes``,
         ``uncompressed_bytes``, ``ratio`` (uncompressed / sent), ``compress_seconds``,
         ``index_wait_seconds``, ``tensors`` and ``nonfinite_skips`` (tensor-steps whose memory update a
         non-finite reduction skipped, over all steps), and ``total``: the same over all steps so far.
         """
+        explicit = step is not None  # (a default step is never refused)
         if step is None:
             reduced = [s.step for s in self._slots if s.step > 0]
             step = min(reduced) - 1 if reduced else 0
-        out = self.traffic.step(step).as_dict()
+        out = self.traffic.step(step, strict=explicit).as_dict()
         out["step"] = step
         out["nonfinite_skips"] = self.nonfinite_skips
         out["total"] = self.traffic.total.as_dict()

@@ -119,7 +119,7 @@ class QsparseLocalSGD(torch.optim.Optimizer):
         self._generator = torch.Generator().manual_seed(self.config.seed)
         self._agreed = False
         self._last_sync = None
-        self.traffic = TrafficMeter()
+        self.traffic = TrafficMeter(keep=4 * self.config.local_steps)  # the last five synchronisations
 
     # -- torch.optim.Optimizer interface -----------------------------------------------------------
 
@@ -168,8 +168,8 @@ class QsparseLocalSGD(torch.optim.Optimizer):
 
     def stats(self, step=None):
         """Payload bytes and compute time of synchronisation step ``step`` on this rank (default: the
-        last synchronisation; other steps send nothing and report zeros). The last five steps are
-        kept; an earlier one is a ValueError (``total`` counts every step).
+        last synchronisation; other steps send nothing and report zeros). The steps of the last five
+        synchronisations are kept; an earlier one is a ValueError (``total`` counts every step).
 
         Keys as ScaleCom's: ``step``, ``index_bytes`` and ``value_bytes`` (this rank's part of the
         payload allgather: indices; values, signs or levels and the per-tensor scale), ``dense_bytes``
@@ -179,9 +179,10 @@ class QsparseLocalSGD(torch.optim.Optimizer):
         ``index_wait_seconds`` (0), ``tensors``; ``wire_bytes``: what this rank sends in the ring
         collectives, ``(n - 1) (index + value) + 2 (n - 1) / n dense``; ``total``: all steps.
         """
+        explicit = step is not None  # (a default step is never refused)
         if step is None:
             step = self._last_sync if self._last_sync is not None else 0
-        out = self.traffic.step(step).as_dict()
+        out = self.traffic.step(step, strict=explicit).as_dict()
         n = self._size()
         out["wire_bytes"] = self._wire(out, n)
         out["step"] = step

@@ -133,12 +133,12 @@ class SketchedSGD(Compressor):
                             f"{self._names[i]!r} is {tensor.dtype}")
         t = self._steps[i]
         self._steps[i] += 1
-        dense_bytes = tensor.numel() * tensor.element_size()
+        dense_bytes = tensor.numel() * wire_dtype(tensor.dtype).itemsize  # (what Horovod can reduce: bf16 as fp32)
         if i not in self._offset or t < self.config.warmup_steps:
             u = self._momentum_of(i, tensor)
             u.mul_(self.config.momentum).add_(tensor.reshape(-1))                    # u <- rho u + g
             sent = u.to(wire_dtype(tensor.dtype), copy=True).view(tensor.shape)  # fresh: reduced in place
-            self.traffic.record(t, dense_bytes=sent.numel() * sent.element_size(), uncompressed_bytes=dense_bytes,
+            self.traffic.record(t, dense_bytes=dense_bytes, uncompressed_bytes=dense_bytes,
                                 compress_seconds=time.perf_counter() - start)
             return sent, (None if sent.dtype is tensor.dtype else tensor.dtype)  # (bf16: back in decompress)
 
@@ -207,7 +207,8 @@ class SketchedSGD(Compressor):
 
     def stats(self, step=None):
         """Payload bytes and compute time of ``step`` on this rank (default: the last complete step).
-        The last five steps are kept; an earlier one is a ValueError (``total`` counts every step).
+        The last five steps are kept; an earlier one asked for is a ValueError (``total`` counts every
+        step; the default step never is one).
 
         Keys as ScaleCom's: ``step``, ``index_bytes`` (always 0: candidates are found from the reduced
         sketch on every rank, no index travels), ``value_bytes`` (sketch ``r c`` + candidates
@@ -217,10 +218,11 @@ class SketchedSGD(Compressor):
         ``ratio``, ``compress_seconds``, ``index_wait_seconds`` (0), ``tensors``; ``wire_bytes``, what
         this rank sends in the ring allreduces (``2 (n - 1) / n * sent_bytes``); ``total``: all steps.
         """
+        explicit = step is not None  # (a default step is never refused)
         if step is None:
             reduced = [s for s in self._steps if s > 0]
             step = min(reduced) - 1 if reduced else 0
-        out = self.traffic.step(step).as_dict()
+        out = self.traffic.step(step, strict=explicit).as_dict()
         n = self._size()
         out["wire_bytes"] = allreduce_bytes_sent(out["sent_bytes"], n)
         out["step"] = step

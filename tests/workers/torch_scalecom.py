@@ -8,8 +8,6 @@ argv: JSON options, output directory. Writes ``rank<R>.npz`` with, per step t an
 import json
 import os
 import sys
-import time
-import traceback
 
 import numpy as np
 import torch
@@ -18,17 +16,9 @@ import horovod.torch as hvd
 from hvd_scalecom import native
 from hvd_scalecom.torch import ScaleCom, clt_k
 
+import lingering  # (this folder, the script's, is first on sys.path)
 
-
-def report_and_linger(kind, value, tb):
-    """A failing rank prints its error, then waits a moment before exiting: horovodrun stops the
-    other ranks when the first one exits, and the tests read every rank's own error."""
-    traceback.print_exception(kind, value, tb)
-    sys.stderr.flush()
-    time.sleep(2)
-
-
-sys.excepthook = report_and_linger
+lingering.install()
 torch.set_num_threads(1)
 opts = json.loads(sys.argv[1])
 traded = [0]  # decompress calls that traded a gradient's buffer with its memory's (or could have)
@@ -261,4 +251,5 @@ if opts.get("checkpoint"):
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "compression": compression.state_dict()}, os.path.join(out_dir, f"ckpt{rank}.pt"))
 hvd.allreduce(torch.zeros(1), name="worker.done")  # no rank leaves while others still reduce
+hvd.stop_timeline()  # writes every queued timeline event (Horovod drops them at shutdown)
 print(f"rank {rank} done", flush=True)
