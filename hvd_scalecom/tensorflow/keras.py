@@ -9,8 +9,8 @@ packages that::
     hvd.init()
     model = keras.Sequential([...]); model.build((None, 64))
     compression = ScaleCom(model.trainable_variables, ratio=0.01, beta=0.5)
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    step = make_train_step(model, keras.optimizers.SGD(0.05), loss,
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    step = make_train_step(model, keras.optimizers.SGD(0.05), loss_fn,
                            compression)   # also broadcasts rank 0's weights and optimizer state
     for x, y in batches:
         loss = step(x, y)
