@@ -116,10 +116,11 @@ class TrafficMeter:
         entry = self._by_step.get(step)
         if entry is not None:
             return entry
-        if strict and self._by_step and step < max(self._by_step) - self._keep:
-            raise ValueError(f"step {step} is not kept: the statistics keep the last {self._keep + 1} "
-                             f"steps ({max(self._by_step) - self._keep}..{max(self._by_step)}); 'total' "
-                             f"counts every step")
+        if strict and self._by_step:
+            newest = max(self._by_step)
+            if step < newest - self._keep:
+                raise ValueError(f"step {step} is not kept: the statistics keep the last {self._keep + 1} "
+                                 f"steps ({newest - self._keep}..{newest}); 'total' counts every step")
         return StepTraffic()
 
     @property

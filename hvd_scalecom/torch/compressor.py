@@ -195,15 +195,15 @@ class ScaleCom(Compressor):
         self._post_receives(t, rank, size)
         slot.step += 1
         try:
-            values, ctx = self._compress_step(slot, tensor, t, numel, k, size, rank, leader, may_advance, start)
+            values, ctx = self._compress_step(slot, tensor, t, numel, k, size, rank, leader, may_advance, start,
+                                              dense_bytes)
             return values, (*ctx, original)
         except BaseException:
             slot.step = t  # the step did not happen: a retry (or a restored state) starts it again
             raise
 
-    def _compress_step(self, slot, tensor, t, numel, k, size, rank, leader, may_advance, start):
+    def _compress_step(self, slot, tensor, t, numel, k, size, rank, leader, may_advance, start, dense_bytes):
         """Steps 2-3 of ``compress`` for a compressed step ``t``: the indices, then ``p[I]``."""
-        dense_bytes = numel * wire_dtype(tensor.dtype).itemsize
         wait_from = time.perf_counter()
         sending = None  # the leader's own broadcast, completed in decompress (never waited for here)
         taken = None  # a clt_k.Taken (p_i[I], finite, ...) once taken
