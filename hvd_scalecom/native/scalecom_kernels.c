@@ -67,25 +67,34 @@ static inline void keep_candidates(const float *a, const float *b, int64_t i, __
  * BUCKETS-wide slices of the patterns' current range (one branch-free pass), keeps the slice that
  * holds the r-th largest (compacted to the front) and narrows the range to it, until the range is
  * one pattern: about two passes over x, where a comparison-based selection mispredicts a branch
- * at almost every element. */
+ * at almost every element. The counts go into COPIES tables in turn, summed after: neighbouring
+ * entries often fall in the same slice (the candidates crowd above the threshold), and a single
+ * table would make each count wait for the previous one's store. */
 static float kth_largest(float *x, int64_t n, int64_t r) {
-    enum { BITS = 11, BUCKETS = 1 << BITS };
+    enum { BITS = 10, BUCKETS = 1 << BITS, COPIES = 4 };
     uint32_t lo = UINT32_MAX, hi = 0;
     for (int64_t i = 0; i < n; i++) {
         const uint32_t u = float_bits(x[i]);
         lo = u < lo ? u : lo;
         hi = u > hi ? u : hi;
     }
-    uint32_t count[BUCKETS];
+    uint32_t count[COPIES][BUCKETS];
     while (lo < hi) {
         int shift = 0;
         while (((hi - lo) >> shift) >= BUCKETS) shift++;
-        memset(count, 0, (((hi - lo) >> shift) + 1) * sizeof *count);
-        for (int64_t i = 0; i < n; i++) count[(float_bits(x[i]) - lo) >> shift]++;
-        uint32_t bucket = (hi - lo) >> shift;
+        const uint32_t used = ((hi - lo) >> shift) + 1;
+        for (int h = 0; h < COPIES; h++) memset(count[h], 0, used * sizeof **count);
+        int64_t i = 0;
+        for (; i + COPIES <= n; i += COPIES)
+            for (int h = 0; h < COPIES; h++) count[h][(float_bits(x[i + h]) - lo) >> shift]++;
+        for (; i < n; i++) count[0][(float_bits(x[i]) - lo) >> shift]++;
+        for (uint32_t slice = 0; slice < used; slice++)
+            for (int h = 1; h < COPIES; h++) count[0][slice] += count[h][slice];
+        uint32_t bucket = used - 1;
         int64_t above = 0;
-        while (above + count[bucket] < r) above += count[bucket--];
-        int64_t kept = 0, i = 0;
+        while (above + count[0][bucket] < r) above += count[0][bucket--];
+        int64_t kept = 0;
+        i = 0;
 #ifdef __AVX512F__
         /* By whole vectors, compressed into place: x + kept + 16 <= x + i + 16 holds only entries
          * already read. */
