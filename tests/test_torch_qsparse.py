@@ -58,6 +58,9 @@ FLOAT64_TOP_K = {"operator": "top_k", "local_steps": 2, "ratio": 0.05, "min_nume
                  "dtype": "float64"}
 for part, opts in (("qsparse_one_rank_sign", ONE_RANK_SIGN), ("qsparse_float64_top_k", FLOAT64_TOP_K)):
     add_run("np1", part, "torch_seed_qsparse.py", opts, ["test_one_rank_and_float64_parameters_match_the_simulator"])
+BF16_QSGD = {**QSGD_OPTS, "local_steps": 2, "steps": 5, "dtype": "bfloat16"}
+add_run("np2_first", "qsparse_bf16", "torch_seed_qsparse.py", BF16_QSGD,
+        ["test_bf16_parameters_synchronise_through_an_fp32_model_as_the_simulator_does"])
 
 
 class Net(torch.nn.Module):
@@ -67,46 +70,56 @@ class Net(torch.nn.Module):
         self.out = torch.nn.Linear(64, 10)
 
 
+def dtype_of(opts):
+    return getattr(torch, opts.get("dtype", "float32"))
+
+
 def simulator(opts, n):
     torch.manual_seed(0)
     scheme = SimQsparse(lr=0.1, local_steps=opts["local_steps"], ratio=opts["ratio"], max_k=opts.get("max_k"),
                         operator=opts["operator"], levels=opts.get("levels", 256),
                         momentum=opts.get("momentum", 0.0), min_numel=opts["min_numel"],
                         seed=opts.get("seed", 0))
-    return Simulator(scheme, n, Net().to(getattr(torch, opts.get("dtype", "float32"))).named_parameters())
+    return Simulator(scheme, n, Net().to(dtype_of(opts)).named_parameters())
 
 
 def reference(opts, n):
     """The NumPy reference of the paper's equations (tests/reference.py), from the job's initial model."""
     torch.manual_seed(0)
-    x0 = {m: p.detach().numpy() for m, p in
-          Net().to(getattr(torch, opts.get("dtype", "float32"))).named_parameters()}
+    x0 = {m: p.detach().double().numpy() for m, p in Net().to(dtype_of(opts)).named_parameters()}
     return QsparseReference(x0, n, lr=0.1, local_steps=opts["local_steps"], ratio=opts["ratio"],
                             operator=opts["operator"], levels=opts.get("levels", 256),
                             momentum=opts.get("momentum", 0.0), max_k=opts.get("max_k"),
                             min_numel=opts["min_numel"], seed=opts.get("seed", 0))
 
 
-def follow(ref, results, steps, first=0, rtol=1e-5, atol=1e-6):
-    """Feed the job's raw gradients to the reference; after every step each rank's weights must be
-    the reference's worker's (float64 there, so to the job's rounding)."""
+def follow(ref, results, steps, first=0, rtol=1e-5, atol=1e-6, names=NAMES):
+    """Feed the job's raw gradients to the reference; after every step each rank's weights (of
+    ``names``) must be the reference's worker's (float64 there, so to the job's rounding)."""
     for t in range(first, first + steps):
         ref.step([{n: r[f"raw/{t}/{n}"] for n in NAMES} for r in results])
         for rank, r in enumerate(results):
-            for n in NAMES:
+            for n in names:
                 np.testing.assert_allclose(r[f"local/{t}/{n}"].reshape(-1), ref.local[rank][n], rtol=rtol,
                                            atol=atol, err_msg=f"step {t}, {n}, rank {rank}: the reference")
 
 
-def replay(sim, results, steps, first=0, rtol=1e-6, atol=1e-7):
+def as_recorded(tensor):
+    """``tensor`` in NumPy as the worker records it (bfloat16 as float32)."""
+    return (tensor.float() if tensor.dtype is torch.bfloat16 else tensor).numpy()
+
+
+def replay(sim, results, steps, first=0, rtol=1e-6, atol=1e-7, dtype=None):
     """Feed the job's raw gradients to ``sim``; after every step each rank's weights must be the
-    simulator's worker's. Returns the simulator's per-step updates (the change at synchronisations)."""
+    simulator's worker's. Returns the simulator's per-step updates (the change at synchronisations).
+    ``dtype``: the gradients' where the job recorded them in another (bfloat16 as float32)."""
     updates = []
     for t in range(first, first + steps):
-        step = sim.step([[torch.from_numpy(r[f"raw/{t}/{n}"]) for n in NAMES] for r in results])
+        grads = [[torch.from_numpy(r[f"raw/{t}/{n}"]) for n in NAMES] for r in results]
+        step = sim.step(grads if dtype is None else [[g.to(dtype) for g in row] for row in grads])
         for j, n in enumerate(NAMES):
             for rank, r in enumerate(results):
-                np.testing.assert_allclose(r[f"local/{t}/{n}"], sim.worker_params()[j][rank].numpy(),
+                np.testing.assert_allclose(r[f"local/{t}/{n}"], as_recorded(sim.worker_params()[j][rank]),
                                            rtol=rtol, atol=atol, err_msg=f"step {t}, {n}, rank {rank}")
         updates.append(dict(zip(NAMES, step.update)))
     return updates
@@ -221,6 +234,30 @@ def test_one_rank_and_float64_parameters_match_the_simulator(request, tmp_path_f
     assert np.count_nonzero(updates[1]["hidden.weight"].numpy()) == 154
     stats = json.loads(str(wide[0]["stats/1"]))
     assert (stats["index_bytes"], stats["value_bytes"]) == (4 * (154 + 32), 8 * (154 + 32))
+
+
+def test_bf16_parameters_synchronise_through_an_fp32_model_as_the_simulator_does(request, tmp_path_factory):
+    """np=2, bfloat16 parameters (Horovod's collectives take none): QSGD-TopK, H = 2, 5 steps. x_last,
+    the memories and the dense biases are float32, the payload carries float32 norms; each rank's
+    bfloat16 weights follow the simulator's exactly, step by step. The float64 reference agrees to
+    bfloat16's rounding where no top-k decides (the first local step, and the dense biases
+    throughout): at a synchronisation bfloat16's rounding of the drift changes which of two nearly
+    equal entries is selected."""
+    opts = BF16_QSGD
+    results = completed(shared_job("np2_first", request, tmp_path_factory), "qsparse_bf16", 2)
+    assert str(results[0]["param_dtype"]) == "torch.bfloat16"
+    updates = replay(simulator(opts, 2), results, 5, rtol=0, atol=0, dtype=torch.bfloat16)
+    for t in (1, 3):
+        check_synchronised(results, t)
+        for n, k in (("hidden.weight", 154), ("out.weight", 32)):
+            assert k <= np.count_nonzero(as_recorded(updates[t][n])) <= 2 * k
+    # (tolerance: five roundings to bfloat16, 2^-8 each, of the weights the steps pass through)
+    follow(reference(opts, 2), results, 1, rtol=2e-2, atol=1e-4)
+    follow(reference(opts, 2), results, 5, rtol=2e-2, atol=1e-4, names=["hidden.bias", "out.bias"])
+    stats = json.loads(str(results[0]["stats/1"]))
+    assert (stats["index_bytes"], stats["value_bytes"], stats["dense_bytes"]) == \
+        (4 * (154 + 32), 2 * (154 + 32) + 4 * 2, 4 * (64 + 10))
+    assert stats["uncompressed_bytes"] == 2 * 4 * 3786  # (bfloat16 counted as the float32 it travels in)
 
 
 def test_ranks_starting_from_different_models_all_raise(request, tmp_path_factory):

@@ -44,7 +44,7 @@ from hvd_scalecom.baseline_config import QsparseConfig
 from hvd_scalecom.torch import clt_k
 from hvd_scalecom.config import check_int
 from hvd_scalecom.torch.common import (as_memory_of, check_agreement, check_process_set, check_state_entry,
-                                       named_parameter_list, stall_times, tensors_digest)
+                                       named_parameter_list, stall_times, tensors_digest, wire_dtype)
 from hvd_scalecom.torch.qsparse_steps import compress_delta, decode, mean_of_sparse, payload_dtypes
 from hvd_scalecom.traffic import TrafficMeter, allgather_bytes_sent, allreduce_bytes_sent
 
@@ -175,7 +175,7 @@ class QsparseLocalSGD(torch.optim.Optimizer):
         payload allgather: indices; values, signs or levels and the per-tensor scale), ``dense_bytes``
         (the small tensors' allreduce, fp32), ``sent_bytes`` (their sum), ``uncompressed_bytes`` (what
         dense synchronous SGD would have handed over in the ``local_steps`` steps since the previous
-        synchronisation), ``ratio``, ``compress_seconds`` (compression and decoding),
+        synchronisation; bfloat16 as the float32 Horovod would take), ``ratio``, ``compress_seconds`` (compression and decoding),
         ``index_wait_seconds`` (0), ``tensors``; ``wire_bytes``: what this rank sends in the ring
         collectives, ``(n - 1) (index + value) + 2 (n - 1) / n dense``; ``total``: all steps.
         """
@@ -351,7 +351,7 @@ class QsparseLocalSGD(torch.optim.Optimizer):
         self._last_sync = t
         seconds = (time.perf_counter() - start) / max(1, len(self._params))
         for i, p in enumerate(self._params):
-            baseline = cfg.local_steps * p.numel() * p.element_size()
+            baseline = cfg.local_steps * p.numel() * wire_dtype(p.dtype).itemsize  # (bf16 travels as fp32)
             if i in sizes:
                 self.traffic.record(t, index_bytes=sizes[i][0], value_bytes=sizes[i][1],
                                     uncompressed_bytes=baseline, compress_seconds=seconds)

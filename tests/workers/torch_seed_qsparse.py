@@ -45,8 +45,8 @@ optimizer = QsparseLocalSGD(local, model.named_parameters(), local_steps=opts.ge
                             operator=opts.get("operator", "sign_top_k"), levels=opts.get("levels", 256),
                             min_numel=opts.get("min_numel", 600), seed=opts.get("seed", 0),
                             index_dtype=opts.get("index_dtype", "int32"))
-if not opts.get("skip_broadcast"):
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+if not opts.get("skip_broadcast") and opts.get("dtype") != "bfloat16":  # (Horovod broadcasts no bfloat16;
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)                 # the seed makes every rank alike)
 
 if opts.get("resume_from"):
     saved = torch.load(os.path.join(opts["resume_from"], f"ckpt{rank}.pt"))
@@ -65,6 +65,12 @@ def same_state(a, b):
             and all(equal(a["params"][n][key], b["params"][n][key]) for n in a["params"] for key in ("shared", "memory")))
 
 
+def as_numpy(tensor):
+    """A copy in NumPy (bfloat16, which NumPy lacks, as the float32 of the same value)."""
+    tensor = tensor.detach()
+    return (tensor.float() if tensor.dtype is torch.bfloat16 else tensor).numpy().copy()
+
+
 record = {}
 first_step = opts.get("first_step", 0)
 for t in range(first_step, first_step + opts.get("steps", 6)):
@@ -78,7 +84,7 @@ for t in range(first_step, first_step + opts.get("steps", 6)):
     optimizer.zero_grad()
     torch.nn.functional.cross_entropy(model(x), y).backward()
     for name, p in named:
-        record[f"raw/{t}/{name}"] = p.grad.numpy().copy()
+        record[f"raw/{t}/{name}"] = as_numpy(p.grad)
     if opts.get("reload", {}).get("catch"):  # the refused synchronisation, caught: what it left behind
         before = copy.deepcopy(optimizer.state_dict()["qsparse_local_sgd"])
         try:
@@ -91,12 +97,13 @@ for t in range(first_step, first_step + opts.get("steps", 6)):
     else:
         optimizer.step()
     for name, p in named:
-        record[f"local/{t}/{name}"] = p.detach().numpy().copy()
+        record[f"local/{t}/{name}"] = as_numpy(p)
     record[f"stats/{t}"] = np.array(json.dumps(optimizer.stats(step=t)))
 
 for name, p in named:
-    record[f"final/{name}"] = p.detach().numpy()
+    record[f"final/{name}"] = as_numpy(p)
 record["stats"] = np.array(json.dumps(optimizer.stats()))
+record["param_dtype"] = np.array(str(params[0].dtype))
 np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **record)
 if opts.get("checkpoint"):
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
