@@ -251,9 +251,10 @@ def test_bf16_parameters_synchronise_through_an_fp32_model_as_the_simulator_does
         check_synchronised(results, t)
         for n, k in (("hidden.weight", 154), ("out.weight", 32)):
             assert k <= np.count_nonzero(as_recorded(updates[t][n])) <= 2 * k
-    # (tolerance: five roundings to bfloat16, 2^-8 each, of the weights the steps pass through)
-    follow(reference(opts, 2), results, 1, rtol=2e-2, atol=1e-4)
-    follow(reference(opts, 2), results, 5, rtol=2e-2, atol=1e-4, names=["hidden.bias", "out.bias"])
+    # (tolerance: by step 4 the biases have been rounded to bfloat16 seven times, 2^-8 each: five
+    # local steps and two synchronisations)
+    follow(reference(opts, 2), results, 1, rtol=3e-2, atol=1e-4)
+    follow(reference(opts, 2), results, 5, rtol=3e-2, atol=1e-4, names=["hidden.bias", "out.bias"])
     stats = json.loads(str(results[0]["stats/1"]))
     assert (stats["index_bytes"], stats["value_bytes"], stats["dense_bytes"]) == \
         (4 * (154 + 32), 2 * (154 + 32) + 4 * 2, 4 * (64 + 10))

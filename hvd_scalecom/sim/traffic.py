@@ -14,7 +14,8 @@ worker with the wire formulas of :mod:`hvd_scalecom.traffic`:
 Payloads are split into indices, values and dense tensors as :class:`hvd_scalecom.traffic.StepTraffic`
 splits them, so a simulated ScaleCom step reports the same payload figures as
 ``hvd_scalecom.torch.ScaleCom.stats()`` on every rank (for bfloat16 gradients the simulator counts
-bfloat16, which Horovod cannot send: ScaleCom sends and counts them as float32).
+bfloat16, which Horovod cannot send: ScaleCom, Sketched SGD and Qsparse-local-SGD on Horovod send
+and count them as float32, their uncompressed baselines too).
 """
 
 import dataclasses

@@ -175,9 +175,10 @@ class QsparseLocalSGD(torch.optim.Optimizer):
         payload allgather: indices; values, signs or levels and the per-tensor scale), ``dense_bytes``
         (the small tensors' allreduce, fp32), ``sent_bytes`` (their sum), ``uncompressed_bytes`` (what
         dense synchronous SGD would have handed over in the ``local_steps`` steps since the previous
-        synchronisation; bfloat16 as the float32 Horovod would take), ``ratio``, ``compress_seconds`` (compression and decoding),
-        ``index_wait_seconds`` (0), ``tensors``; ``wire_bytes``: what this rank sends in the ring
-        collectives, ``(n - 1) (index + value) + 2 (n - 1) / n dense``; ``total``: all steps.
+        synchronisation; bfloat16 as the float32 Horovod would take), ``ratio``,
+        ``compress_seconds`` (compression and decoding), ``index_wait_seconds`` (0), ``tensors``;
+        ``wire_bytes``: what this rank sends in the ring collectives, ``(n - 1) (index + value) +
+        2 (n - 1) / n dense``; ``total``: all steps.
         """
         explicit = step is not None  # (a default step is never refused)
         if step is None:
