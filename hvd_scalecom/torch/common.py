@@ -26,6 +26,16 @@ def wire_dtype(dtype):
     return torch.float32 if dtype is torch.bfloat16 else dtype
 
 
+def dense_on_the_wire(values, grad_dtype, copy=False):
+    """``(sent, ctx)`` for a gradient of ``grad_dtype`` that a compressor hands Horovod dense:
+    ``values`` in :func:`wire_dtype` (a new tensor if ``copy``), and the dtype ``decompress`` casts
+    the reduction back to, None where that is the dtype it travelled in (a bfloat16 gradient
+    travels as float32)."""
+    dtype = wire_dtype(grad_dtype)
+    sent = values.to(dtype, copy=True) if copy or values.dtype is not dtype else values
+    return sent, (None if dtype is grad_dtype else grad_dtype)
+
+
 def named_parameter_list(named_parameters, scheme):
     """``[(name, parameter)]`` from ``named_parameters``; TypeError/ValueError naming the problem."""
     if named_parameters is None or isinstance(named_parameters, (str, bytes, torch.Tensor)):

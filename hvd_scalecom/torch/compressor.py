@@ -51,8 +51,8 @@ from hvd_scalecom.config import HOROVOD_VALUE_DTYPES, INDEX_DTYPES, ScaleComConf
 from hvd_scalecom.state import check_next_indices, checked_params
 from hvd_scalecom.torch import clt_k
 from hvd_scalecom.torch.common import (GradientLookup, as_memory_of, check_agreement, check_process_set,
-                                      check_state_entry, named_parameter_list, stall_times, wait,
-                                      wire_dtype)
+                                      check_state_entry, dense_on_the_wire, named_parameter_list, stall_times,
+                                      wait, wire_dtype)
 from hvd_scalecom.traffic import TrafficMeter
 
 _TORCH_DTYPES = {
@@ -181,10 +181,9 @@ class ScaleCom(Compressor):
         dense_bytes = numel * wire_dtype(tensor.dtype).itemsize  # (what Horovod can reduce: bf16 as fp32)
         if not self.config.is_compressed(numel, t):
             slot.step += 1
-            sent = _as_dtype(tensor, wire_dtype(tensor.dtype))  # (decompress casts a bf16 one back)
             self.traffic.record(t, dense_bytes=dense_bytes, uncompressed_bytes=dense_bytes,
                                 compress_seconds=time.perf_counter() - start)
-            return sent, (None if sent.dtype is tensor.dtype else tensor.dtype)
+            return dense_on_the_wire(tensor, tensor.dtype)  # (decompress casts a bf16 one back)
 
         size, rank = self._size_rank()
         leader = self.config.leader_rank(t, size, slot.index)

@@ -43,7 +43,8 @@ from hvd_scalecom.baseline_config import SketchedSGDConfig
 from hvd_scalecom.state import checked_params
 from hvd_scalecom.torch import clt_k
 from hvd_scalecom.torch.common import (GradientLookup, as_memory_of, check_agreement, check_process_set,
-                                      check_state_entry, named_parameter_list, stall_times, wire_dtype)
+                                      check_state_entry, dense_on_the_wire, named_parameter_list, stall_times,
+                                      wire_dtype)
 from hvd_scalecom.torch.sketch import CountSketch
 from hvd_scalecom.torch.sketched_steps import (accumulate_, applied_update, heavy_candidates,
                                                select_applied, vector_dtype, zero_applied_)
@@ -137,10 +138,10 @@ class SketchedSGD(Compressor):
         if i not in self._offset or t < self.config.warmup_steps:
             u = self._momentum_of(i, tensor)
             u.mul_(self.config.momentum).add_(tensor.reshape(-1))                    # u <- rho u + g
-            sent = u.to(wire_dtype(tensor.dtype), copy=True).view(tensor.shape)  # fresh: reduced in place
+            sent, ctx = dense_on_the_wire(u, tensor.dtype, copy=True)  # fresh: reduced in place
             self.traffic.record(t, dense_bytes=dense_bytes, uncompressed_bytes=dense_bytes,
                                 compress_seconds=time.perf_counter() - start)
-            return sent, (None if sent.dtype is tensor.dtype else tensor.dtype)  # (bf16: back in decompress)
+            return sent.view(tensor.shape), ctx  # (bf16: cast back in decompress)
 
         r = self._round_for(i, t)
         part = slice(self._offset[i], self._offset[i] + tensor.numel())
