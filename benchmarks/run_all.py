@@ -22,6 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = {
     "kernels": ("kernels", ["--environments", "default", "without AVX-512"]),
     "sketch_kernels": ("sketch_kernels", []),
+    "per_tensor": ("per_tensor", []),
     "slow_link": ("slow_link", []),
     "scalecom_options": ("scalecom_options", []),
     "convergence": ("convergence", []),

@@ -79,3 +79,19 @@ def test_sketch_kernels_smoke(tmp_path):
     text = out.read_text()
     assert "<!-- sketch:begin -->" in text and "## Count sketch" in text
     assert "| C kernels |" in text and "| torch operations |" in text
+
+
+def test_per_tensor_smoke(tmp_path):
+    out = tmp_path / "performance.md"
+    out.write_text("# Performance\n\nkept\n")
+    run_smoke("benchmarks.per_tensor", out, timeout=300)
+    text = out.read_text()
+    assert "kept" in text and "<!-- per_tensor:begin -->" in text and "## Per-tensor cost" in text
+    lines = text.splitlines()
+    header = [c.strip() for c in next(line for line in lines if line.startswith("| entries |")).split("|")]
+    row = [c.strip() for c in next(line for line in lines if line.startswith("| 4,096 | 4 |")).split("|")]
+    assert len(row) == len(header)
+    cell = dict(zip(header, row))
+    assert float(cell["dense (ms)"]) > 0 and cell["ScaleCom"].endswith("x)")  # (no timing asserted)
+    leader, non_leader = cell["compute per tensor, leader / non-leader (µs)"].split(" / ")
+    assert float(leader) > 0 and float(non_leader) > 0  # both ranks led one of the steps and followed in another

@@ -334,5 +334,5 @@ def test_join_leave_failure_and_join_again(tmp_path):
     assert ("allgather.scalecom.agreement.sizes", 3, "int64") in ops
     for name, k in K.items():
         assert [o for o in ops if o[0] == f"allreduce.{name}"] == [(f"allreduce.{name}", k, "float32")] * 2
-        assert [o for o in ops if o[0] == f"broadcast.scalecom.{name}"] == \
-            [(f"broadcast.scalecom.{name}", k, "int32")] * 2
+        assert [o for o in ops if o[0] == f"allgather.scalecom.{name}"] == \
+            [(f"allgather.scalecom.{name}", k, "int32")] * 2

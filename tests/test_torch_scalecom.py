@@ -108,9 +108,10 @@ def test_horovod_moves_k_values_and_k_indices(horovod_job, tmp_path):
         ("allreduce", "hidden.weight"): [(3072, "float32")] + [(154, "float32")] * 3,
         ("allreduce", "out.weight"): [(640, "float32")] + [(32, "float32")] * 3,
         ("allreduce", "hidden.bias"): [(64, "float32")] * 4,
-        # Rank 0 writes the timeline; it records a broadcast's shape when it receives (leader 1).
-        ("broadcast", "scalecom.hidden.weight"): [(154, "int32")] * 2,
-        ("broadcast", "scalecom.out.weight"): [(32, "int32")] * 2,
+        # The leader's indices: an allgather to which only the leader gives its k (at every step,
+        # whichever rank leads: rank 0, which writes the timeline, records the gathered output).
+        ("allgather", "scalecom.hidden.weight"): [(154, "int32")] * 3,
+        ("allgather", "scalecom.out.weight"): [(32, "int32")] * 3,
     }
     for key, want in expected.items():
         got = sizes.get(key, [])

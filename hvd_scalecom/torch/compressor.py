@@ -3,8 +3,9 @@
 Per parameter and step (see :mod:`hvd_scalecom.torch.clt_k` for the equations):
 
 1. ``compress(g)`` finds the parameter whose gradient ``g`` is, forms ``p = m + g`` on the leader,
-   selects the top-k indices there and broadcasts them (``broadcast.scalecom.<name>``); every rank
-   returns ``p[I]`` (k values).
+   selects the top-k indices there and shares them (``allgather.scalecom.<name>``, to which only the
+   leader contributes: a broadcast's bytes, but Horovod fuses the allgathers that are ready
+   together, where it runs every broadcast on its own); every rank returns ``p[I]`` (k values).
 2. Horovod allreduces those k values with the optimizer's own op (``Average``), pre/postscale and
    process set.
 3. ``decompress`` updates the residue memory (from ``m`` and ``g``, unchanged since ``compress``, and
@@ -28,10 +29,10 @@ takes: each path takes an exact top-k).
 
 Deadlock freedom: Horovod calls ``compress`` from each parameter's gradient hook, in an order that
 can differ between ranks (dynamic graphs, parameters without a gradient that Horovod reduces later in
-``synchronize()``). A rank that is not the leader of a tensor therefore posts its receiving broadcast
-for *every* tensor of the step at its first ``compress`` of that step, and only waits inside the
-hook of the tensor itself. The leader never waits inside ``compress``: it starts its broadcast and
-completes it in ``decompress``, after every rank has reduced the tensor. With the cyclic leader no
+``synchronize()``). A rank that is not the leader of a tensor therefore posts its (empty) part of
+the index allgather for *every* tensor of the step at its first ``compress`` of that step, and only
+waits inside the hook of the tensor itself. The leader never waits inside ``compress``: it starts its
+part and completes it in ``decompress``, after every rank has reduced the tensor. With the cyclic leader no
 hook order, and no rank that reduces a tensor only in ``synchronize()`` (a gradient it did not
 compute, a parameter it froze with ``requires_grad_(False)``), can deadlock. (With
 ``leader="staggered"`` every rank leads some tensors; hook orders must then agree across ranks, or
@@ -82,8 +83,8 @@ class _Slot:
         self.param = param
         self.memory = None  # residue memory m_i, flat, allocated at the first compressed step
         self.step = 0  # optimizer steps this parameter has been reduced in (t)
-        self.posted = None  # (step, handle, buffer) of a broadcast posted ahead of the hook
-        self.expected = None  # the step whose broadcast was posted ahead (on every rank)
+        self.posted = None  # (step, handle, indices or None) of an index exchange posted ahead of the hook
+        self.expected = None  # the step whose index exchange was posted ahead (on every rank)
         self.excluded = False  # seen not to be reduced through compress(): never posted ahead
         self.scale = None  # the loss scale the memory is expressed in (with a loss_scaler)
         self.marks = None  # I as a bitmap from compress to decompress, where the buffers are traded
@@ -107,14 +108,14 @@ class ScaleCom(Compressor):
             (default: the gradient's dtype, but float32 for bfloat16 gradients: Horovod's
             collectives take no bfloat16, so dense bfloat16 gradients travel as float32 too).
         index_dtype: ``torch.int32`` (default; int64 for tensors of 2**31 entries or more) or
-            ``torch.int64`` for the broadcast indices.
-        pipelined: use indices selected one step earlier, so that their broadcast never stalls the
+            ``torch.int64`` for the indices the leader sends.
+        pipelined: use indices selected one step earlier, so that their exchange never stalls the
             backward pass (see ``ScaleComConfig``); off by default: exact ScaleCom.
         loss_scaler: a ``torch.amp.GradScaler`` (anything with ``get_scale()``) when gradients are
             loss-scaled: the residue memory is rescaled whenever the scale changes.
         process_set: the Horovod process set the optimizer reduces over (default: all ranks).
         timeout: seconds to wait for a leader's indices before raising a RuntimeError (default:
-            ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` if set, else wait). A late broadcast prints a
+            ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` if set, else wait). A late exchange prints a
             warning every ``HOROVOD_STALL_CHECK_TIME_SECONDS`` (60 s), as Horovod does for its own.
     """
 
@@ -142,7 +143,7 @@ class ScaleCom(Compressor):
         self._by_name = {s.name: s for s in self._slots}
         self._process_set = check_process_set(process_set)
         self._value_dtype = _TORCH_DTYPES.get(self.config.value_dtype)
-        self._posted_through = -1  # last step whose receiving broadcasts were posted
+        self._posted_through = -1  # last step whose index exchanges were posted ahead
         self._agreed = False  # configurations compared across ranks (at the first compress)
         self._scratch_buffers = {}  # (dtype, device) -> the leader's reused buffer for p = m + g
         self.traffic = TrafficMeter()
@@ -204,7 +205,7 @@ class ScaleCom(Compressor):
     def _compress_step(self, slot, tensor, t, numel, k, size, rank, leader, may_advance, start, dense_bytes):
         """Steps 2-3 of ``compress`` for a compressed step ``t``: the indices, then ``p[I]``."""
         wait_from = time.perf_counter()
-        sending = None  # the leader's own broadcast, completed in decompress (never waited for here)
+        sending = None  # the leader's own part of the exchange, completed in decompress (never waited on here)
         taken = None  # a clt_k.Taken (p_i[I], finite, ...) once taken
         if slot.posted is not None and slot.posted[0] == t:
             indices = self._wait(slot, t, rank, size)  # posted ahead, or selected a step ago
@@ -214,7 +215,7 @@ class ScaleCom(Compressor):
                                                    scratch=self._scratch(slot.memory),
                                                    index_dtype=self._index_dtype(numel))
             wait_from += time.perf_counter() - select_from
-            sending = self._broadcast_async(slot, indices, leader)  # (in the broadcast's dtype)
+            sending = self._share_async(slot, indices)  # (in the dtype they travel in)
         else:
             indices = self._wait(slot, t, rank, size)
         waited = time.perf_counter() - wait_from
@@ -274,7 +275,7 @@ class ScaleCom(Compressor):
             out = grad
             updated = clt_k.filter_and_scatter_(slot.memory, grad, indices, tensor, taken, sent, self.config.beta)
         else:
-            indices = _as_dtype(indices, torch.int64)  # (the leader's may be the broadcast's int32)
+            indices = _as_dtype(indices, torch.int64)  # (the leader's may be int32 it sends)
             updated = clt_k.all_finite(tensor)
             if updated:
                 clt_k.filter_memory_(slot.memory, grad, indices, clt_k.memory_at(slot.memory, indices, taken),
@@ -318,10 +319,11 @@ class ScaleCom(Compressor):
             entry = {"step": s.step, "memory": None if s.memory is None else s.memory.detach().clone(),
                      "scale": s.scale}
             if self.config.pipelined and s.posted is not None:
-                t, handle, buffer = s.posted
-                self._synchronize(handle, s)
-                s.posted = (t, None, buffer)
-                entry["next_indices"] = (t, buffer.clone())
+                t, handle, indices = s.posted
+                received = self._synchronize(handle, s)
+                indices = indices if received is None else received
+                s.posted = (t, None, indices)
+                entry["next_indices"] = (t, indices.clone())
             params[s.name] = entry
         return {"config": self.config.as_dict(), "params": params}
 
@@ -361,7 +363,7 @@ class ScaleCom(Compressor):
     def resync(self):
         """After a membership change (elastic Horovod): adopt rank 0's step counters, keep this
         rank's residue memory (a new rank starts with zeros; a departed rank's memory is lost, like a
-        dropped gradient), forget broadcasts of the old world (pipelined indices are selected fresh),
+        dropped gradient), forget index exchanges of the old world (pipelined indices are selected fresh),
         and compare configurations again at the next ``compress``. Every rank must call it."""
         steps = torch.tensor([slot.step for slot in self._slots], dtype=torch.int64)
         kwargs = {} if self._process_set is None else {"process_set": self._process_set}
@@ -399,23 +401,29 @@ class ScaleCom(Compressor):
             return hvd.size(), hvd.rank()
         return ps.size(), ps.rank()
 
-    def _broadcast_async(self, slot, buffer, leader, ahead=False):
-        """Broadcast ``buffer`` from ``leader`` (relative rank; Horovod wants the global one), under the
-        parameter's name, with ``.ahead`` for the indices a pipelined step shares for the next one: a
-        step that exchanges its own indices too has both in flight (names must differ)."""
+    def _share_async(self, slot, indices=None, ahead=False):
+        """Start sharing the leader's indices: an allgather to which the leader gives its k
+        ``indices`` and every other rank nothing (``indices`` None), so that every rank receives
+        the leader's k (the bytes of a broadcast; Horovod fuses the allgathers that are ready
+        together, where each broadcast would be an operation of its own). Under the parameter's
+        name, with ``.ahead`` for the indices a pipelined step shares for the next one: a step that
+        exchanges its own indices too has both in flight (names must differ)."""
+        if indices is None:
+            numel = slot.param.numel()
+            indices = torch.empty(0, dtype=self._index_dtype(numel), device=slot.param.device)
         name = f"scalecom.{slot.name}.ahead" if ahead else f"scalecom.{slot.name}"
-        ps = self._process_set
-        if ps is None:
-            return hvd.broadcast_async_(buffer, root_rank=leader, name=name)
-        return hvd.broadcast_async_(buffer, root_rank=ps.ranks[leader], name=name, process_set=ps)
+        if self._process_set is None:
+            return hvd.allgather_async(indices, name=name)
+        return hvd.allgather_async(indices, name=name, process_set=self._process_set)
 
-    def _index_buffer(self, slot):
+    def _dummy_indices(self, slot):
         numel = slot.param.numel()
         return torch.zeros(self.config.num_selected(numel), dtype=self._index_dtype(numel),
                            device=slot.param.device)
 
     def _post_receives(self, t, rank, size):
-        """Once per step: post the receiving broadcast of every tensor this rank does not lead.
+        """Once per step: post this rank's (empty) part of the index exchange of every tensor it does
+        not lead.
 
         A tensor expected in the previous step but not reduced then (say, a sparse gradient that
         Horovod reduces without compressing it) left a receive pending on the non-leaders: its leader
@@ -440,11 +448,11 @@ class ScaleCom(Compressor):
         t = slot.expected
         slot.excluded = True
         slot.expected = slot.ahead_for = None
-        if slot.posted is not None:  # a receive, or a pipelined leader's own broadcast
+        if slot.posted is not None:  # a receive, or a pipelined leader's own part
             handle = slot.posted[1]
             slot.posted = None
             return handle
-        return self._broadcast_async(slot, self._index_buffer(slot), rank)  # only the leader posts none
+        return self._share_async(slot, self._dummy_indices(slot))  # only the leader posts none
 
     def _post(self, slot, t, rank, size):
         numel = slot.param.numel()
@@ -453,8 +461,7 @@ class ScaleCom(Compressor):
             return
         if slot.posted is not None and slot.posted[0] == t:
             return  # selected a step ago (pipelined)
-        buffer = self._index_buffer(slot)
-        slot.posted = (t, self._broadcast_async(slot, buffer, leader), buffer)
+        slot.posted = (t, self._share_async(slot), None)
 
     def _scratch(self, memory):
         """A flat buffer of ``memory``'s dtype and device for the leader's ``p = m + g``, reused from
@@ -477,7 +484,7 @@ class ScaleCom(Compressor):
 
     def _select_ahead(self, slot, grad, t, rank, size):
         """Pipelined mode: the leader of step ``t`` selects now, from this step's ``p = m + g``, and
-        every rank starts that broadcast without waiting for it."""
+        every rank starts that exchange without waiting for it."""
         leader = self.config.leader_rank(t, size, slot.index)
         if leader == rank:
             numel = slot.memory.numel()
@@ -485,25 +492,25 @@ class ScaleCom(Compressor):
                                                self.config.selection, scratch=self._scratch(slot.memory))
             buffer = buffer.to(self._index_dtype(numel))
         else:
-            buffer = self._index_buffer(slot)
-        slot.posted = (t, self._broadcast_async(slot, buffer, leader, ahead=True), buffer)
+            buffer = None
+        slot.posted = (t, self._share_async(slot, buffer, ahead=True), buffer)
         slot.expected = slot.ahead_for = t
 
     def _wait(self, slot, t, rank, size):
         if slot.posted is None or slot.posted[0] != t:
             self._post(slot, t, rank, size)  # not reduced when the step's posts went out
-        _, handle, buffer = slot.posted
+        _, handle, indices = slot.posted
         slot.posted = None
-        self._synchronize(handle, slot)
-        return buffer
+        received = self._synchronize(handle, slot)
+        return indices if received is None else received
 
     def _synchronize(self, handle, slot):
-        """Wait for a broadcast (:func:`hvd_scalecom.torch.common.wait`): a warning every
-        ``HOROVOD_STALL_CHECK_TIME_SECONDS`` (60) while it is late, a RuntimeError after ``timeout`` (or
-        ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``)."""
+        """The leader's indices once their exchange completes (:func:`hvd_scalecom.torch.common.wait`):
+        a warning every ``HOROVOD_STALL_CHECK_TIME_SECONDS`` (60) while it is late, a RuntimeError after
+        ``timeout`` (or ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``); None for no ``handle``."""
         if handle is None:
-            return  # restored from a checkpoint: nothing in flight
-        wait(handle, self._stall, "ScaleCom",
+            return None  # restored from a checkpoint: nothing in flight
+        return wait(handle, self._stall, "ScaleCom",
              f"the leader's indices for {slot.name!r}. A rank reduces this parameter later than the others "
              f"(e.g. it is frozen or unused on some ranks only, or ranks reduce parameters in different "
              f"orders while leader='staggered'), or a rank stopped training",
