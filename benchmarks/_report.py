@@ -80,9 +80,9 @@ def shown_arguments(argv):
     for a in argv:
         if skip:
             skip = False
-        elif a in ("--out", "--plot", "--out-dir"):
+        elif a in ("--out", "--plot", "--out-dir", "--json"):
             skip = True
-        elif a != "--resume" and not a.startswith(("--out=", "--plot=", "--out-dir=")):
+        elif a != "--resume" and not a.startswith(("--out=", "--plot=", "--out-dir=", "--json=")):
             shown.append(a)
     return shown
 

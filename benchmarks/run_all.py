@@ -5,7 +5,8 @@
     .venv/bin/python -m benchmarks.run_all --only soak kernels
 
 The commands are the full runs named in each module's docstring. ``slow_link`` needs root and
-``ip netns``; without them it says it skipped and exits 0. The runner stops at the first benchmark
+``ip netns``; without them it says it skipped and exits 0; ``gpu_kernels`` needs a CUDA device,
+and without one says so and exits 0. The runner stops at the first benchmark
 that fails unless ``--keep-going``; its exit status is 1 if any failed.
 """
 
@@ -23,6 +24,7 @@ BENCHMARKS = {
     "kernels": ("kernels", ["--environments", "default", "without AVX-512"]),
     "sketch_kernels": ("sketch_kernels", []),
     "per_tensor": ("per_tensor", []),
+    "gpu_kernels": ("gpu_kernels", ["--rounds", "200"]),
     "slow_link": ("slow_link", []),
     "scalecom_options": ("scalecom_options", []),
     "convergence": ("convergence", []),

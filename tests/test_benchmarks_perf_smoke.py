@@ -5,12 +5,15 @@ skipped, and so does its test.
 """
 
 import argparse
+import json
 import re
 import subprocess
+import sys
 
 import pytest
+import torch
 
-from benchmark_smoke import run_smoke
+from benchmark_smoke import ROOT, run_smoke
 
 from benchmarks import slow_link
 
@@ -95,3 +98,28 @@ def test_per_tensor_smoke(tmp_path):
     assert float(cell["dense (ms)"]) > 0 and cell["ScaleCom"].endswith("x)")  # (no timing asserted)
     leader, non_leader = cell["compute per tensor, leader / non-leader (µs)"].split(" / ")
     assert float(leader) > 0 and float(non_leader) > 0  # both ranks led one of the steps and followed in another
+
+
+def test_gpu_kernels_smoke_on_the_cpu(tmp_path):
+    """The GPU benchmark's steps with --device cpu (no GPU here); without CUDA its default says so and
+    measures nothing."""
+    out = tmp_path / "performance.md"
+    out.write_text("# Performance\n\nkept\n")
+    run_smoke("benchmarks.gpu_kernels", out, timeout=300, extra=("--device", "cpu", "--json", str(tmp_path / "r.json")))
+    text = out.read_text()
+    assert "kept" in text and "<!-- gpu_kernels:begin -->" in text and "## GPU" in text
+    lines = text.splitlines()
+    header = [c.strip() for c in next(line for line in lines if line.startswith("| entries |")).split("|")]
+    cell = dict(zip(header, [c.strip() for c in next(line for line in lines if line.startswith("| 65,536 |")).split("|")]))
+    assert cell["overlap (sampled threshold)"] == "1.0000 (1.0000)" and cell["same indices as the CPU"] == "yes"
+    assert cell["leader"].endswith("x)") and cell["selection, sampled threshold"].endswith("x)")
+    below = lines[lines.index("| scheme | weights, device against CPU | same bytes | bytes per worker |") + 2:]
+    schemes = [line.split("|")[1].strip() for line in below if line.startswith("| ") and "| yes |" in line]
+    assert schemes == ["Dense", "FP16", "ScaleCom", "ScaleCom, pipelined", "LocalTopK", "GlobalTopK", "GTopK",
+                       "RandomK", "SketchedSGD", "QsparseLocalSGD", "PowerSGD"]
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["kernels"][0]["leader_diff"] == [0.0, 0.0]  # (the CPU against itself, torch operations)
+    if not torch.cuda.is_available():
+        stdout = subprocess.run([sys.executable, "-m", "benchmarks.gpu_kernels", "--smoke", "--out", str(out)],
+                                cwd=ROOT, capture_output=True, text=True, timeout=120, check=True).stdout
+        assert "no CUDA device here" in stdout

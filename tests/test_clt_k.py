@@ -67,6 +67,26 @@ def test_threshold_is_the_exact_set_on_other_distributions(dist):
     assert_same_set(p, k, clt_k.select_top_k(p, k, "threshold"))
 
 
+@pytest.mark.parametrize("numel", [65_536, 100_003, 4_200_001])
+def test_the_masked_candidates_of_cuda_equal_the_column_pre_filter(numel):
+    """CUDA's step 2 (one mask of |p| >= t, ``_at_least_masked``) finds the candidates, magnitudes and
+    order of the CPU's column pre-filter (``_at_least``), NaN and the tail past the grid included;
+    its selection is an exact top-k (run here on CPU tensors: the same torch operations)."""
+    gen = torch.Generator().manual_seed(numel)
+    p = torch.randn(numel, generator=gen)
+    p[torch.randperm(numel, generator=gen)[:50]] = float("nan")
+    p[-3:] = torch.tensor([9.0, -8.0, float("inf")])
+    k = numel // 100
+    threshold = clt_k._sampled_threshold(p, k)
+    masked, grid = clt_k._at_least_masked(p, threshold), clt_k._at_least(p, threshold)
+    order = grid[0].argsort()  # (the grid gives them column by column)
+    assert torch.equal(masked[0], grid[0][order]) and torch.equal(masked[1], grid[1][order])
+    assert masked[0].numel() >= k and not torch.isnan(masked[1]).any()
+    clean = torch.nan_to_num(p, nan=0.0)
+    assert_is_top_k(clean, k, clt_k._sampled_selection(clean, k))  # (4.2M normal floats tie at the k-th)
+    assert clt_k._thresholded(numel, k, False, cuda=True) == (numel >= 1 << 22)
+
+
 def test_ties_all_equal_and_mostly_zeros():
     numel = 200_000
     gen = torch.Generator().manual_seed(3)

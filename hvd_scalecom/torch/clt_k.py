@@ -52,7 +52,7 @@ def select_top_k(p, k, selection="exact"):
     """Step 2: flat indices of the ``k`` largest ``|p|`` (int64, in no particular order).
 
     ``"exact"`` is ``torch.topk`` of ``|p|``. ``"threshold"`` returns the same set (ties at the k-th
-    magnitude aside) without a full top-k and without materialising ``|p|``:
+    magnitude aside) without a full top-k and, but on CUDA, without materialising ``|p|``:
 
     1. a threshold ``t`` a little below the k-th largest magnitude, from a fixed low-discrepancy
        sample of ``p`` (512 to 65,536 gathered entries, see :func:`_sample_plan`), set so that
@@ -66,11 +66,13 @@ def select_top_k(p, k, selection="exact"):
 
     If fewer than k entries reach ``t`` (or ``t`` is 0, e.g. mostly zeros), it falls back to
     ``"exact"``, so the result is always an exact top-k. Ratios above 1/16 and small tensors (below
-    65,536 entries with torch operations, 1,024 in C) use ``"exact"`` directly. NaN entries are
+    65,536 entries with torch operations, 1,024 in C, 2^22 on CUDA, where kernel launches and host
+    reads dominate) use ``"exact"`` directly. NaN entries are
     never selected by ``"threshold"``'s own pass (``torch.topk``, in ``"exact"`` and in the
     fallback, ranks them first). On contiguous fp32 CPU
     tensors steps 2-3 are one read-only pass in C that collects the candidates in index order (the
-    k returned ascending; ties at the k-th magnitude go to the lowest indices).
+    k returned ascending; ties at the k-th magnitude go to the lowest indices); on CUDA step 2 is
+    one mask of ``|p| >= t`` and its ``nonzero`` (:func:`_at_least_masked`).
     """
     numel = p.numel()
     if selection not in ("exact", "threshold"):
@@ -81,17 +83,25 @@ def select_top_k(p, k, selection="exact"):
         return torch.arange(numel, device=p.device)
     p = p.reshape(-1)
     native_applies = numel <= config.INT32_INDEX_MAX_NUMEL and _native_applies(p)  # (int32 candidates)
-    if selection == "exact" or not _thresholded(numel, k, native_applies):
+    if selection == "exact" or not _thresholded(numel, k, native_applies, p.is_cuda):
         return torch.topk(p.abs(), k, sorted=False).indices
     if native_applies:
         selected = _native_select(p, None, k)
-        return selected[0] if selected is not None else torch.topk(p.abs(), k, sorted=False).indices
+        selected = None if selected is None else selected[0]
+    else:
+        selected = _sampled_selection(p, k)
+    return selected if selected is not None else torch.topk(p.abs(), k, sorted=False).indices
+
+
+def _sampled_selection(p, k):
+    """Steps 1-3 of ``"threshold"`` with torch operations (``p`` flat): the k indices, or None where
+    fewer than k entries reach the sampled threshold (or it is 0)."""
     threshold = _sampled_threshold(p, k)
     if threshold > 0:
-        candidates, magnitudes = _at_least(p, threshold)
+        candidates, magnitudes = (_at_least_masked if p.is_cuda else _at_least)(p, threshold)
         if candidates.numel() >= k:
             return candidates.index_select(0, torch.topk(magnitudes, k, sorted=False).indices)
-    return torch.topk(p.abs(), k, sorted=False).indices
+    return None
 
 
 def select_top_k_of_sum(memory, grad, k, selection="exact", scratch=None):
@@ -178,6 +188,9 @@ def _native_select_of_sum(memory, grad, k, selection, index_dtype=torch.int64):
 
 _THRESHOLD_MIN_NUMEL = 1 << 16  # torch operations: below this, torch.topk is about as fast
 _NATIVE_THRESHOLD_MIN_NUMEL = 1 << 10  # the C selection: faster than torch.topk from a few thousand entries
+# CUDA: a tensor that small is bound by kernel launches and host reads, where torch.topk takes fewer
+# (docs/performance.md, GPU section: python -m benchmarks.gpu_kernels).
+_CUDA_THRESHOLD_MIN_NUMEL = 1 << 22
 # The leader's decompress finds I from the selection's cut (instead of marking the indices) from this
 # many entries on (16 MB of fp32: beyond the caches), where it was measured faster (25M entries); on
 # tensors that sit in the caches (1M entries) marking the indices was faster.
@@ -185,10 +198,11 @@ _CUT_MIN_NUMEL = 1 << 22
 _GRID_ROWS = 8  # rows of the column pre-filter: a column reaches t with probability ~8x an entry's
 
 
-def _thresholded(numel, k, native):
+def _thresholded(numel, k, native, cuda=False):
     """Whether ``"threshold"`` samples a threshold (else it is ``torch.topk``), in C (``native``) or
-    with torch operations."""
-    return numel >= (_NATIVE_THRESHOLD_MIN_NUMEL if native else _THRESHOLD_MIN_NUMEL) and k * 16 <= numel
+    with torch operations (on a CUDA device: ``cuda``)."""
+    least = _NATIVE_THRESHOLD_MIN_NUMEL if native else _CUDA_THRESHOLD_MIN_NUMEL if cuda else _THRESHOLD_MIN_NUMEL
+    return numel >= least and k * 16 <= numel
 
 
 def kernels_for(*tensors):
@@ -384,6 +398,14 @@ def _at_least(p, threshold):
     return indices, magnitudes
 
 
+def _at_least_masked(p, threshold):
+    """:func:`_at_least` from a mask of the whole tensor, for CUDA: there one ``nonzero`` of ``|p| >= t``
+    costs less than the column pre-filter's launches and gathers."""
+    magnitudes = p.abs()
+    indices = torch.nonzero(magnitudes >= threshold).view(-1)  # (NaN reaches no threshold)
+    return indices, magnitudes.index_select(0, indices)
+
+
 def take_and_filter_memory_(memory, grad, indices, beta, sent_dtype=None):
     """Steps 3-4 on rank i, in place on ``memory``; returns ``v_i = p_i[I]`` in ``sent_dtype``:
     :func:`take` followed by :func:`filter_memory_`.
@@ -437,14 +459,15 @@ def take_checking(memory, grad, indices, check=True):
 
 def all_finite(tensor):
     """Whether every entry is finite, from one read-only pass (in C on contiguous fp32 CPU tensors;
-    else a reduction, NaN propagating through min and max: ``torch.isfinite(t).all()`` would first
-    write a mask of the tensor's size)."""
+    else a reduction, NaN propagating through min and max, and one read of both to the host:
+    ``torch.isfinite(t).all()`` would first write a mask of the tensor's size, and ``torch.isfinite``
+    of the two is eight kernel launches on CUDA)."""
     if tensor.numel() == 0:
         return True
     if _native_applies(tensor):
         return bool(native.library().hsc_all_finite(tensor.data_ptr(), tensor.numel()))
     low, high = torch.aminmax(tensor)
-    return bool(torch.isfinite(low) & torch.isfinite(high))
+    return all(map(math.isfinite, torch.stack((low, high)).tolist()))  # (one read to the host)
 
 
 def filter_and_scatter_(memory, grad, indices, reduced, taken, sent, beta):
