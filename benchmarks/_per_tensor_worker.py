@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 from hvd_scalecom.torch import ScaleCom  # noqa: E402
 
-SCHEMES = ("dense", "fp16", "scalecom", "scalecom, pipelined")
+SCHEMES = ("dense", "fp16", "scalecom", "scalecom, broadcast", "scalecom, pipelined")
 
 
 def compression_for(scheme, named, ratio):
@@ -36,7 +36,8 @@ def compression_for(scheme, named, ratio):
         return hvd.Compression.none
     if scheme == "fp16":
         return hvd.Compression.fp16
-    return ScaleCom(named, ratio=ratio, beta=0.1, pipelined=scheme.endswith("pipelined"))
+    return ScaleCom(named, ratio=ratio, beta=0.1, pipelined=scheme.endswith("pipelined"),
+                    index_exchange="broadcast" if scheme.endswith("broadcast") else "allgather")
 
 
 def time_scheme(scheme, numel, tensors, pool, args):

@@ -6,7 +6,8 @@ and writes its section of docs/performance.md.
 
 A ``horovodrun -np 2`` job (Gloo, one thread per worker, no shaped link) times the backward pass and
 ``synchronize()`` of models of ``--tensors`` parameters of each size under dense, Horovod's fp16,
-ScaleCom and pipelined ScaleCom (``benchmarks/_per_tensor_worker.py``), and reads ScaleCom's compute
+ScaleCom (its indices shared by an allgather, the default, or by a broadcast) and pipelined ScaleCom
+(``benchmarks/_per_tensor_worker.py``), side by side in one job, and reads ScaleCom's compute
 per tensor from its ``stats()``. Then, in this process, ``benchmarks.kernels`` times the ``clt_k``
 calls a leader and a non-leader make for one tensor of each size (warm, in a loop: what the
 compressor costs before its bookkeeping and Horovod's collectives) and the floor, ``m.add_(g)``.
@@ -49,15 +50,18 @@ def markdown(result, command):
         f"loopback), ratio {result['ratio']}, {result['steps']} timed steps after {result['warmup']}.",
         "A step is the backward pass and `synchronize()` of a model of that many parameters of that",
         "size (each gradient a fixed random tensor), the slowest rank's time, median over the steps.",
+        "*ScaleCom* shares the leader's indices by an allgather (the default), *ScaleCom, broadcast* by",
+        "a broadcast from the leader (`index_exchange=\"broadcast\"`); in brackets the ratio to dense.",
         "*Compute per tensor*: ScaleCom's `compress` and `decompress` (from `stats()`, the waits for",
-        "the leader's indices excluded), median over the steps the rank led or did not.",
+        "the leader's indices excluded), median over the steps the rank led or did not; *index wait*:",
+        "a non-leader's wait for the leader's indices inside its gradient hooks, per tensor.",
         "*clt_k calls alone*: the calls each side makes for one such tensor, warm, in a loop in one",
         "process (`benchmarks.kernels`); the floor is `m.add_(g)` there.",
         "",
-        "| entries | tensors | dense (ms) | fp16 | ScaleCom | ScaleCom, pipelined | compute per tensor, "
-        "leader / non-leader (µs) | clt_k calls alone, leader / non-leader (µs) | floor (µs) | "
-        "index wait per tensor, non-leader (µs) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| entries | tensors | dense (ms) | fp16 | ScaleCom | ScaleCom, broadcast | ScaleCom, pipelined | "
+        "compute per tensor, leader / non-leader (µs) | clt_k calls alone, leader / non-leader (µs) | "
+        "floor (µs) | index wait per tensor, non-leader, allgather / broadcast (µs) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     by_key = {(r["numel"], r["scheme"]): r for r in result["rows"]}
     for numel, tensors in zip(result["sizes"], result["tensors"]):
@@ -70,9 +74,11 @@ def markdown(result, command):
         roles = by_key[(numel, "scalecom")]["per_tensor"]
         alone = result["kernels"][str(numel)]
         compute = " / ".join(f"{roles[r]['compute_us']:.0f}" if r in roles else "-" for r in ("leader", "non-leader"))
-        wait = f"{roles['non-leader']['wait_us']:.0f}" if "non-leader" in roles else "-"
+        wait = " / ".join(f"{by_key[(numel, s)]['per_tensor']['non-leader']['wait_us']:.0f}"
+                          if "non-leader" in by_key[(numel, s)]["per_tensor"] else "-"
+                          for s in ("scalecom", "scalecom, broadcast"))
         lines.append(f"| {numel:,} | {tensors} | {dense:.2f} | {step('fp16')} | {step('scalecom')} | "
-                     f"{step('scalecom, pipelined')} | {compute} | {alone['leader']:.1f} / "
+                     f"{step('scalecom, broadcast')} | {step('scalecom, pipelined')} | {compute} | {alone['leader']:.1f} / "
                      f"{alone['non-leader']:.1f} | {alone['floor']:.1f} | {wait} |")
     return "\n".join(lines) + "\n"
 

@@ -88,6 +88,8 @@ ROWS = [
     (torch_scalecom, "value_dtype", torch.bfloat16, ValueError, "value_dtype"),  # (Horovod takes no bf16)
     (torch_scalecom, "index_dtype", torch.float32, ValueError, "index_dtype"),
     (torch_scalecom, "pipelined", "yes", TypeError, "pipelined"),
+    (torch_scalecom, "index_exchange", "allreduce", ValueError, "index_exchange"),
+    (torch_scalecom, "index_exchange", None, ValueError, "index_exchange"),
     (torch_scalecom, "timeout", -1, ValueError, "timeout"),
     (torch_scalecom, "timeout", 0, ValueError, "timeout"),
     (torch_scalecom, "timeout", NAN, ValueError, "timeout"),

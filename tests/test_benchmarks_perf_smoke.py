@@ -96,6 +96,9 @@ def test_per_tensor_smoke(tmp_path):
     assert len(row) == len(header)
     cell = dict(zip(header, row))
     assert float(cell["dense (ms)"]) > 0 and cell["ScaleCom"].endswith("x)")  # (no timing asserted)
+    assert cell["ScaleCom, broadcast"].endswith("x)") and cell["ScaleCom, pipelined"].endswith("x)")
+    waits = cell["index wait per tensor, non-leader, allgather / broadcast (µs)"].split(" / ")
+    assert len(waits) == 2 and all(float(w) >= 0 for w in waits)
     leader, non_leader = cell["compute per tensor, leader / non-leader (µs)"].split(" / ")
     assert float(leader) > 0 and float(non_leader) > 0  # both ranks led one of the steps and followed in another
 

@@ -90,12 +90,13 @@ def test_large_tensors_threshold_selection_both_kernel_paths(horovod_job, kernel
         assert all(int(r["non_contiguous"]) == 6 for r in results), [int(r["non_contiguous"]) for r in results]
 
 
-def test_horovod_moves_k_values_and_k_indices(horovod_job, tmp_path):
+@pytest.mark.parametrize("exchange", ["allgather", "broadcast"])
+def test_horovod_moves_k_values_and_k_indices(horovod_job, tmp_path, exchange):
     """What Horovod really moved, read from its timeline, not from stats()."""
     from hvd_scalecom.timeline import read_operations
 
     timeline = tmp_path / "timeline.json"
-    opts = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 4}
+    opts = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 4, "index_exchange": exchange}
     results, _ = horovod_job("torch_scalecom.py", opts, np=2, env={"HOROVOD_TIMELINE": str(timeline)})
     ops = read_operations(timeline)
     sizes = {}
@@ -109,9 +110,10 @@ def test_horovod_moves_k_values_and_k_indices(horovod_job, tmp_path):
         ("allreduce", "out.weight"): [(640, "float32")] + [(32, "float32")] * 3,
         ("allreduce", "hidden.bias"): [(64, "float32")] * 4,
         # The leader's indices: an allgather to which only the leader gives its k (at every step,
-        # whichever rank leads: rank 0, which writes the timeline, records the gathered output).
-        ("allgather", "scalecom.hidden.weight"): [(154, "int32")] * 3,
-        ("allgather", "scalecom.out.weight"): [(32, "int32")] * 3,
+        # whichever rank leads: rank 0, which writes the timeline, records the gathered output), or
+        # a broadcast, whose shape rank 0 records when it receives (steps 1 and 3: leader 1).
+        (exchange, "scalecom.hidden.weight"): [(154, "int32")] * (3 if exchange == "allgather" else 2),
+        (exchange, "scalecom.out.weight"): [(32, "int32")] * (3 if exchange == "allgather" else 2),
     }
     for key, want in expected.items():
         got = sizes.get(key, [])
@@ -119,6 +121,21 @@ def test_horovod_moves_k_values_and_k_indices(horovod_job, tmp_path):
     stats = json.loads(str(results[0]["stats"]))
     assert stats["value_bytes"] == 4 * (154 + 32) and stats["index_bytes"] == 4 * (154 + 32)
     assert stats["uncompressed_bytes"] == 4 * (3072 + 64 + 640 + 10)
+
+
+@pytest.mark.parametrize("np_, extra", [
+    (3, {}),
+    (2, {"pipelined": True, "warmup_steps": 2, "no_out_weight_grad_on_rank": 1, "advance_min_numel": 0}),
+    (3, {"leader": "staggered", "selection": "threshold", "advance_min_numel": 0})])
+def test_broadcast_exchange_matches_reference(horovod_job, np_, extra):
+    """index_exchange="broadcast": each tensor's indices go out as a broadcast from its leader, every
+    rank the root in turn (cyclic, pipelined, staggered), with the results of the allgather."""
+    opts = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 7,
+            "index_exchange": "broadcast", **extra}
+    results, _ = horovod_job("torch_scalecom.py", opts, np=np_)
+    applied = check_against_reference(results, opts, steps=7)
+    check_identical_weights(results)
+    assert sparsity(applied[6], "hidden.weight") == pytest.approx(0.05, abs=0.002)
 
 
 def test_staggered_leader_fp16_values_int32_indices_threshold_selection(horovod_job):
@@ -157,9 +174,12 @@ def test_optimizer_features(horovod_job):
     check_identical_weights(results)
 
 
-def test_process_set(horovod_job):
-    """Ranks 0 and 2 reduce over their own process set (leaders are relative ranks 0, 1)."""
-    opts = {"ratio": 0.05, "beta": 0.5, "min_numel": 600, "steps": 5, "process_set": [0, 2]}
+@pytest.mark.parametrize("exchange", ["allgather", "broadcast"])
+def test_process_set(horovod_job, exchange):
+    """Ranks 0 and 2 reduce over their own process set (leaders are relative ranks 0, 1; a broadcast's
+    root is the leader's global rank)."""
+    opts = {"ratio": 0.05, "beta": 0.5, "min_numel": 600, "steps": 5, "process_set": [0, 2],
+            "index_exchange": exchange}
     results, _ = horovod_job("torch_scalecom.py", opts, np=3)
     members = [results[0], results[2]]
     check_against_reference(members, opts, steps=5)

@@ -56,6 +56,7 @@ from hvd_scalecom.torch.common import (GradientLookup, as_memory_of, check_agree
                                       wait, wire_dtype)
 from hvd_scalecom.traffic import TrafficMeter
 
+INDEX_EXCHANGES = ("allgather", "broadcast")
 _TORCH_DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -111,6 +112,11 @@ class ScaleCom(Compressor):
             ``torch.int64`` for the indices the leader sends.
         pipelined: use indices selected one step earlier, so that their exchange never stalls the
             backward pass (see ``ScaleComConfig``); off by default: exact ScaleCom.
+        index_exchange: how the leader's indices reach the other ranks: ``"allgather"`` (default), to
+            which the leader gives its k and the others nothing, or ``"broadcast"`` from the leader.
+            The same bytes; Horovod fuses the allgathers that are ready together, as it fuses
+            allreduces, but runs each broadcast as an operation of its own (``python -m
+            benchmarks.per_tensor`` times both).
         loss_scaler: a ``torch.amp.GradScaler`` (anything with ``get_scale()``) when gradients are
             loss-scaled: the residue memory is rescaled whenever the scale changes.
         process_set: the Horovod process set the optimizer reduces over (default: all ranks).
@@ -121,11 +127,14 @@ class ScaleCom(Compressor):
 
     def __init__(self, named_parameters, ratio=0.01, beta=0.1, warmup_steps=0, min_numel=1024, *,
                  leader="cyclic", selection="threshold", value_dtype=None, index_dtype=torch.int32,
-                 pipelined=False, loss_scaler=None, process_set=None, timeout=None):
+                 pipelined=False, index_exchange="allgather", loss_scaler=None, process_set=None, timeout=None):
         self.config = ScaleComConfig(
             ratio=ratio, beta=beta, warmup_steps=warmup_steps, min_numel=min_numel, leader=leader,
             selection=selection, value_dtype=check_dtype_name(value_dtype, "value_dtype", HOROVOD_VALUE_DTYPES),
             index_dtype=check_dtype_name(index_dtype, "index_dtype", INDEX_DTYPES), pipelined=pipelined)
+        if index_exchange not in INDEX_EXCHANGES:
+            raise ValueError(f"index_exchange must be one of {INDEX_EXCHANGES}, got {index_exchange!r}")
+        self.index_exchange = index_exchange
         if timeout is not None and not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
                                         and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
@@ -215,7 +224,7 @@ class ScaleCom(Compressor):
                                                    scratch=self._scratch(slot.memory),
                                                    index_dtype=self._index_dtype(numel))
             wait_from += time.perf_counter() - select_from
-            sending = self._share_async(slot, indices)  # (in the dtype they travel in)
+            sending = self._share_async(slot, leader, indices)  # (in the dtype they travel in)
         else:
             indices = self._wait(slot, t, rank, size)
         waited = time.perf_counter() - wait_from
@@ -385,7 +394,7 @@ class ScaleCom(Compressor):
         if not hvd.is_initialized():
             return  # compress() called outside a Horovod job (nothing to agree with)
         named_shapes = [(slot.name, tuple(slot.param.shape)) for slot in self._slots]
-        summary = {**self.config.as_dict(), "parameters": len(named_shapes),
+        summary = {**self.config.as_dict(), "index_exchange": self.index_exchange, "parameters": len(named_shapes),
                    "parameter_digest": shapes_digest(named_shapes)}
         self._agreed = True
         check_agreement("ScaleCom", summary, self._process_set,
@@ -401,20 +410,24 @@ class ScaleCom(Compressor):
             return hvd.size(), hvd.rank()
         return ps.size(), ps.rank()
 
-    def _share_async(self, slot, indices=None, ahead=False):
-        """Start sharing the leader's indices: an allgather to which the leader gives its k
-        ``indices`` and every other rank nothing (``indices`` None), so that every rank receives
-        the leader's k (the bytes of a broadcast; Horovod fuses the allgathers that are ready
-        together, where each broadcast would be an operation of its own). Under the parameter's
-        name, with ``.ahead`` for the indices a pipelined step shares for the next one: a step that
-        exchanges its own indices too has both in flight (names must differ)."""
+    def _share_async(self, slot, leader, indices=None, ahead=False):
+        """Start sharing the k ``indices`` of ``leader`` (relative rank; None on the other ranks), so
+        that every rank receives them: an allgather to which the leader gives its k and every other
+        rank nothing, or (``index_exchange="broadcast"``) a broadcast from the leader into a buffer of
+        k on the others. Under the parameter's name, with ``.ahead`` for the indices a pipelined step
+        shares for the next one: a step that exchanges its own indices too has both in flight (names
+        must differ)."""
+        name = f"scalecom.{slot.name}.ahead" if ahead else f"scalecom.{slot.name}"
+        ps = self._process_set
+        kwargs = {} if ps is None else {"process_set": ps}
+        if self.index_exchange == "broadcast":  # (Horovod wants the root as a global rank)
+            buffer = self._dummy_indices(slot) if indices is None else indices
+            return hvd.broadcast_async_(buffer, root_rank=leader if ps is None else ps.ranks[leader], name=name,
+                                        **kwargs)
         if indices is None:
             numel = slot.param.numel()
             indices = torch.empty(0, dtype=self._index_dtype(numel), device=slot.param.device)
-        name = f"scalecom.{slot.name}.ahead" if ahead else f"scalecom.{slot.name}"
-        if self._process_set is None:
-            return hvd.allgather_async(indices, name=name)
-        return hvd.allgather_async(indices, name=name, process_set=self._process_set)
+        return hvd.allgather_async(indices, name=name, **kwargs)
 
     def _dummy_indices(self, slot):
         numel = slot.param.numel()
@@ -452,7 +465,7 @@ class ScaleCom(Compressor):
             handle = slot.posted[1]
             slot.posted = None
             return handle
-        return self._share_async(slot, self._dummy_indices(slot))  # only the leader posts none
+        return self._share_async(slot, rank, self._dummy_indices(slot))  # only the leader posts none
 
     def _post(self, slot, t, rank, size):
         numel = slot.param.numel()
@@ -461,7 +474,7 @@ class ScaleCom(Compressor):
             return
         if slot.posted is not None and slot.posted[0] == t:
             return  # selected a step ago (pipelined)
-        slot.posted = (t, self._share_async(slot), None)
+        slot.posted = (t, self._share_async(slot, leader), None)
 
     def _scratch(self, memory):
         """A flat buffer of ``memory``'s dtype and device for the leader's ``p = m + g``, reused from
@@ -493,7 +506,7 @@ class ScaleCom(Compressor):
             buffer = buffer.to(self._index_dtype(numel))
         else:
             buffer = None
-        slot.posted = (t, self._share_async(slot, buffer, ahead=True), buffer)
+        slot.posted = (t, self._share_async(slot, leader, buffer, ahead=True), buffer)
         slot.expected = slot.ahead_for = t
 
     def _wait(self, slot, t, rank, size):

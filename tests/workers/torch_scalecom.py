@@ -97,7 +97,8 @@ compression = ScaleCom(
     warmup_steps=opts.get("warmup_steps", 0), min_numel=opts.get("min_numel", 600),
     leader=opts.get("leader", "cyclic"), selection=opts.get("selection", "exact"),
     value_dtype=opts.get("value_dtype"), index_dtype=opts.get("index_dtype", "int32"),
-    pipelined=opts.get("pipelined", False), loss_scaler=scaler, timeout=opts.get("timeout"),
+    pipelined=opts.get("pipelined", False), index_exchange=opts.get("index_exchange", "allgather"),
+    loss_scaler=scaler, timeout=opts.get("timeout"),
     **({} if opts.get("process_set_for_optimizer_only") else set_kwargs))
 non_contiguous = [0]  # gradients that reached compress() not contiguous
 if opts.get("transposed_hidden"):
