@@ -46,7 +46,7 @@ def parse_args(argv=None):
     ap.add_argument("--leader", choices=["cyclic", "staggered"], default="cyclic")
     ap.add_argument("--selection", choices=["exact", "threshold"], default="threshold")
     ap.add_argument("--value-dtype", choices=["float32", "float16"], default=None)
-    ap.add_argument("--index-exchange", choices=["broadcast", "allreduce"], default="broadcast")
+    ap.add_argument("--index-exchange", choices=["broadcast", "allreduce", "allgather"], default="broadcast")
     ap.add_argument("--pipelined", action="store_true", help="indices selected one step ahead")
     ap.add_argument("--epochs", type=positive_int, default=25)
     ap.add_argument("--batch-size", type=positive_int, default=32,

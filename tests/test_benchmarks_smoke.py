@@ -31,7 +31,10 @@ def test_tf_index_exchange_smoke(tmp_path):
     row = [line for line in out.read_text().splitlines() if line.startswith("| 2 |")]
     assert len(row) == 1
     cells = [c.strip() for c in row[0].strip("|").split("|")]
-    broadcast, allreduce, ratio = float(cells[1]), float(cells[2]), float(cells[3].rstrip("x"))
-    assert broadcast > 0 and allreduce > 0 and ratio == pytest.approx(allreduce / broadcast, abs=0.006)
-    accuracies = [float(a.rstrip("%")) for a in cells[5].split(", ")]
-    assert len(accuracies) == 2 and min(accuracies) > 10  # both trained (chance: 10%)
+    broadcast, allreduce, allgather = float(cells[1]), float(cells[2]), float(cells[3])
+    ratios = float(cells[4].rstrip("x")), float(cells[5].rstrip("x"))
+    assert broadcast > 0 and allreduce > 0 and allgather > 0
+    assert ratios == (pytest.approx(allreduce / broadcast, abs=0.006), pytest.approx(allgather / broadcast, abs=0.006))
+    accuracies = [float(a.rstrip("%")) for a in cells[7].split(", ")]
+    assert len(accuracies) == 3 and min(accuracies) > 10  # all trained (chance: 10%)
+    assert len(set(accuracies)) == 1  # the same update

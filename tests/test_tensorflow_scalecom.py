@@ -204,6 +204,20 @@ def test_function_on_three_ranks_broadcasts_from_every_root_and_matches_referenc
     assert [density(applied[t], "hidden.weight") == 1.0 for t in range(7)] == [True] + [False] * 6
 
 
+@pytest.mark.parametrize("mode, ranks, pipelined", [("function", 3, False), ("eager", 2, True)])
+def test_allgather_exchange_matches_reference(horovod_job, mode, ranks, pipelined):
+    """index_exchange="allgather": the leader gives its k indices, the others none. On 3 ranks every
+    rank leads in turn (tf.function); pipelined (eager, 2 ranks) shares the next step's indices too."""
+    opts = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 5, "mode": mode,
+            "index_exchange": "allgather", "pipelined": pipelined}
+    results, _ = horovod_job("tf_scalecom.py", opts, np=ranks)
+    applied, _ = check_against_reference(results, opts, steps=5)
+    check_identical_weights(results)
+    assert [density(applied[t], "hidden.weight") == 1.0 for t in range(5)] == [True] + [False] * 4
+    stats = json.loads(str(results[0]["stats"]))
+    assert stats["index_bytes"] == 4 * (154 + 32) and stats["value_bytes"] == 4 * (154 + 32)
+
+
 def test_horovods_optimizer_wrapper_around_a_compat_v1_optimizer_matches_reference(horovod_job):
     """hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer, compression=ScaleCom)
     (around a Keras 3 optimizer it reduces nothing: the README says so)."""

@@ -18,7 +18,10 @@ Decisions that depend on the step are graph conditionals with static shapes on e
   ``tf.switch_case`` picks one of ``size`` ``HorovodBroadcast`` ops, one per possible root
   (``root_rank`` is a static attribute; Horovod wants it as a global rank). With
   ``index_exchange="allreduce"`` the leader contributes its indices and the others zeros to an integer
-  Sum-allreduce instead (same result; one op, twice the index bytes on the wire).
+  Sum-allreduce instead (same result; one op, twice the index bytes on the wire); with
+  ``"allgather"`` the leader contributes its k indices and the others none to an allgather (same
+  result; one op whatever the number of ranks, a broadcast's bytes, and Horovod fuses allgathers
+  that are ready together, as it fuses allreduces, but never broadcasts).
 * the graph is the same on every rank, and ScaleCom's own collectives use ``ignore_name_scope``:
   Horovod keys collectives by node names, which carry counters of the functions TF inlines.
 * pipelined (``pipelined=True``): the leader of step t + 1 selects its top-k from this step's
@@ -53,7 +56,7 @@ from hvd_scalecom.state import check_next_indices, check_size, checked_params
 from hvd_scalecom.tensorflow import clt_k
 from hvd_scalecom.traffic import StepTraffic
 
-INDEX_EXCHANGES = ("broadcast", "allreduce")
+INDEX_EXCHANGES = ("broadcast", "allreduce", "allgather")
 TIMING_STEPS = 8  # steps whose compute and wait times stats() can report per step
 _instances = itertools.count()
 
@@ -97,7 +100,8 @@ class ScaleCom(tf.Module, Compressor):
             the gradient's dtype; not bfloat16, for which Horovod's TensorFlow allreduce has no kernel).
         index_dtype: ``tf.int32`` (default; int64 for tensors of 2**31 entries or more) or ``tf.int64``.
         process_set: the Horovod process set the tape reduces over (default: all ranks).
-        index_exchange: ``"broadcast"`` (default) or ``"allreduce"``: how the leader's indices travel.
+        index_exchange: ``"broadcast"`` (default), ``"allreduce"`` or ``"allgather"``: how the
+            leader's indices travel (see the module's doc).
         pipelined: use indices the leader selected one step earlier, so that their exchange overlaps
             the values' allreduce (see ``ScaleComConfig``); off by default: exact ScaleCom.
         op: the op the tape or optimizer reduces with, ``hvd.Average`` (default) or ``hvd.Sum``:
@@ -356,7 +360,11 @@ class ScaleCom(tf.Module, Compressor):
         return tf.cond(tf.equal(leader, rank), leader_top_k, not_leader)
 
     def _share(self, slot, mine, leader, rank, size, index_dtype, name):
-        """``mine`` of the ``leader`` on every rank (a broadcast, or a Sum-allreduce)."""
+        """``mine`` of the ``leader`` on every rank (a broadcast, a Sum-allreduce or an allgather)."""
+        if self.index_exchange == "allgather":  # the leader's k, nothing from the others
+            given = mine[:tf.where(tf.equal(leader, rank), slot.k, 0)]
+            indices = hvd.allgather(given, name=name, ignore_name_scope=True, process_set=self._process_set)
+            return tf.ensure_shape(indices, [slot.k])
         if self.index_exchange == "allreduce":
             indices = hvd.allreduce(mine * tf.cast(tf.equal(leader, rank), index_dtype), op=hvd.Sum,
                                     name=name, ignore_name_scope=True, process_set=self._process_set)
