@@ -52,7 +52,7 @@ def select_top_k(p, k, selection="exact"):
     """Step 2: flat indices of the ``k`` largest ``|p|`` (int64, in no particular order).
 
     ``"exact"`` is ``torch.topk`` of ``|p|``. ``"threshold"`` returns the same set (ties at the k-th
-    magnitude aside) without a full top-k and, but on CUDA, without materialising ``|p|``:
+    magnitude aside) without a full top-k and (but on CUDA) without materialising ``|p|``:
 
     1. a threshold ``t`` a little below the k-th largest magnitude, from a fixed low-discrepancy
        sample of ``p`` (512 to 65,536 gathered entries, see :func:`_sample_plan`), set so that

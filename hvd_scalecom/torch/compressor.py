@@ -5,7 +5,8 @@ Per parameter and step (see :mod:`hvd_scalecom.torch.clt_k` for the equations):
 1. ``compress(g)`` finds the parameter whose gradient ``g`` is, forms ``p = m + g`` on the leader,
    selects the top-k indices there and shares them (``allgather.scalecom.<name>``, to which only the
    leader contributes: a broadcast's bytes, but Horovod fuses the allgathers that are ready
-   together, where it runs every broadcast on its own); every rank returns ``p[I]`` (k values).
+   together, where it runs every broadcast on its own; ``broadcast.scalecom.<name>`` with
+   ``index_exchange="broadcast"``); every rank returns ``p[I]`` (k values).
 2. Horovod allreduces those k values with the optimizer's own op (``Average``), pre/postscale and
    process set.
 3. ``decompress`` updates the residue memory (from ``m`` and ``g``, unchanged since ``compress``, and
