@@ -211,6 +211,12 @@ def _stall_setting(variable, default):
                          f"got {text!r}") from None
 
 
+# wait() polls without sleeping for this long first, yielding the CPU between polls as Horovod's own
+# synchronize() does: a sleep of 1e-4 s lasts about 0.25 ms here, and most exchanges complete within
+# a few of Horovod's cycles (python -m benchmarks.per_tensor, docs/performance.md).
+_SPIN_SECONDS = 0.005
+
+
 def wait(handle, stall, scheme, what, advice=""):
     """The result of Horovod's async ``handle``, printing ``"<scheme> warning: still waiting after N s
     for <what>. <advice>"`` every ``stall[0]`` seconds while it is late and raising RuntimeError after
@@ -233,8 +239,3 @@ def wait(handle, stall, scheme, what, advice=""):
             os.sched_yield()
     return hvd.synchronize(handle)
 
-
-# wait() polls without sleeping for this long first, yielding the CPU between polls as Horovod's own
-# synchronize() does: a sleep of 1e-4 s lasts about 0.25 ms here, and most exchanges complete within
-# a few of Horovod's cycles (python -m benchmarks.per_tensor, docs/performance.md).
-_SPIN_SECONDS = 0.005
