@@ -163,6 +163,28 @@ def test_advancing_pass_equals_the_in_place_passes_with_the_buffers_traded(order
     assert torch.equal(new_memory, new) and new_memory.data_ptr() == grad_buffer
 
 
+@pytest.mark.parametrize("aligned", [True, False])
+def test_advancing_a_gradient_larger_than_the_caches_writes_the_same_gradient(aligned):
+    """From 2**22 entries on, the gradient goes out by non-temporal stores (AVX-512 and AVX2 builds)
+    where the old memory's buffer is 64-byte aligned, by plain stores where it is not."""
+    numel = (1 << 22) + 64 + 5  # one more word, then a tail
+    memory, grad = inputs(numel, seed=11)
+    if not aligned:
+        memory = torch.cat([torch.zeros(1), memory])[1:]  # 4 bytes past an aligned allocation
+    assert (memory.data_ptr() % 64 == 0) == aligned
+    indices = torch.randperm(numel, generator=torch.Generator().manual_seed(12))[:numel // 100]
+    indices[0], indices[1], indices[2] = numel - 1, 0, 1 << 22  # the tail, the first lane, the last word
+    indices = torch.unique(indices)
+    reduced = torch.randn(indices.numel(), generator=torch.Generator().manual_seed(13))
+    new, new_grad, _, values = reference(memory, grad, indices, reduced)
+    memory_buffer = memory.data_ptr()
+    taken, finite, out, new_memory, updated = advance_both_steps(memory, grad, indices.to(torch.int32),
+                                                                 lambda v: reduced)
+    assert finite and updated and torch.equal(taken, values)
+    assert out.data_ptr() == memory_buffer
+    assert torch.equal(out, new_grad) and torch.equal(new_memory, new)
+
+
 @pytest.mark.parametrize("path", ["in place", "traded buffers", "leader"])
 def test_fp16_values_keep_their_rounding_error_in_the_memory(path, cut_at_any_size):
     numel = 200_000

@@ -364,12 +364,11 @@ static uint64_t marks64(const uint16_t *bits, int64_t i) {
 /* Whether entry i is in I (bits from hsc_mark). */
 static int marked_at(const uint16_t *bits, int64_t i) { return (bits[i >> 4] >> (i & 15)) & 1; }
 
-/* The 64 entries of out from i (a word of the bitmap): zeros by a loop the compiler vectorizes, then
- * the next values (from *j on) at the word's marks. */
-static inline void scatter_word(float *restrict out, int64_t i, uint64_t word, const float *restrict values,
-                                int64_t *j) {
-    for (int64_t e = i; e < i + 64; e++) out[e] = 0.0f;
-    for (; word; word &= word - 1) out[i + __builtin_ctzll(word)] = values[(*j)++];
+/* The 64 entries of a word of the bitmap into line: zeros by a loop the compiler vectorizes, then the
+ * next values (from *j on) at the word's marks. */
+static inline void scatter_word(float *restrict line, uint64_t word, const float *restrict values, int64_t *j) {
+    for (int e = 0; e < 64; e++) line[e] = 0.0f;
+    for (; word; word &= word - 1) line[__builtin_ctzll(word)] = values[(*j)++];
 }
 
 #ifdef __AVX512F__
@@ -448,9 +447,10 @@ int hsc_take_advancing(const float *restrict m, float *restrict g, int64_t n, fl
 }
 
 /* Step 5 into out, which is not read: zeros, and values[j] at the j-th index of I (bits from
- * hsc_mark). From STREAM_MIN entries on, whole 64-byte lines go by non-temporal stores (when out is
- * 64-byte aligned, as torch allocates): a buffer larger than the caches is not worth a read for
- * ownership before it is overwritten, while one that fits is faster written through them. */
+ * hsc_mark). From STREAM_MIN entries on, whole 64-byte lines go by non-temporal stores (AVX-512 and
+ * AVX2 builds, when out is 64-byte aligned, as torch allocates): a buffer larger than the caches is
+ * not worth a read for ownership before it is overwritten, while one that fits is faster written
+ * through them. */
 enum { STREAM_MIN = 1 << 22 /* 16 MB of fp32: half the last-level cache of the machines timed */ };
 
 void hsc_scatter_marked(float *restrict out, int64_t n, const uint16_t *restrict bits, const float *restrict values) {
@@ -468,8 +468,23 @@ void hsc_scatter_marked(float *restrict out, int64_t n, const uint16_t *restrict
         }
     }
     if (stream) _mm_sfence();
+#elif defined(__AVX2__)
+    if (((uintptr_t)out & 63) == 0 && n >= STREAM_MIN) {  /* a word's 64 entries are 256 bytes */
+        const __m256 zero = _mm256_setzero_ps();
+        for (; i + 64 <= n; i += 64) {
+            const uint64_t word = marks64(bits, i);
+            if (!word) {
+                for (int q = 0; q < 64; q += 8) _mm256_stream_ps(out + i + q, zero);
+                continue;
+            }
+            float line[64] __attribute__((aligned(32)));
+            scatter_word(line, word, values, &j);
+            for (int q = 0; q < 64; q += 8) _mm256_stream_ps(out + i + q, _mm256_load_ps(line + q));
+        }
+        _mm_sfence();
+    }
 #endif
-    for (; i + 64 <= n; i += 64) scatter_word(out, i, marks64(bits, i), values, &j);  /* without AVX-512 */
+    for (; i + 64 <= n; i += 64) scatter_word(out + i, marks64(bits, i), values, &j);  /* the rest */
     for (; i < n; i++) out[i] = marked_at(bits, i) ? values[j++] : 0.0f;
 }
 
@@ -540,7 +555,7 @@ static inline __attribute__((always_inline)) int64_t filter_scatter(
             c = 0;
             for (uint64_t w = word; w; w &= w - 1) m[i + __builtin_ctzll(w)] = kept[c++];
         }
-        scatter_word(g, i, word, values, &j);
+        scatter_word(g + i, word, values, &j);
     }
     for (; i < n; i++) {
         int at;
