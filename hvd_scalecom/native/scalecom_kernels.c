@@ -455,8 +455,10 @@ enum { STREAM_MIN = 1 << 22 /* 16 MB of fp32: half the last-level cache of the m
 
 void hsc_scatter_marked(float *restrict out, int64_t n, const uint16_t *restrict bits, const float *restrict values) {
     int64_t i = 0, j = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
+    const int stream = ((uintptr_t)out & 63) == 0 && n >= STREAM_MIN;  /* a word's entries: 256 bytes */
+#endif
 #ifdef __AVX512F__
-    const int stream = ((uintptr_t)out & 63) == 0 && n >= STREAM_MIN;
     for (; i + 64 <= n; i += 64) {
         const uint64_t word = marks64(bits, i);
         for (int q = 0; q < 64; q += 16) {
@@ -469,7 +471,7 @@ void hsc_scatter_marked(float *restrict out, int64_t n, const uint16_t *restrict
     }
     if (stream) _mm_sfence();
 #elif defined(__AVX2__)
-    if (((uintptr_t)out & 63) == 0 && n >= STREAM_MIN) {  /* a word's 64 entries are 256 bytes */
+    if (stream) {
         const __m256 zero = _mm256_setzero_ps();
         for (; i + 64 <= n; i += 64) {
             const uint64_t word = marks64(bits, i);
