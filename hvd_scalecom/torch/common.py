@@ -238,4 +238,3 @@ def wait(handle, stall, scheme, what, advice=""):
         else:
             os.sched_yield()
     return hvd.synchronize(handle)
-
