@@ -17,6 +17,18 @@ QSPARSE_OPERATORS = ("top_k", "sign_top_k", "qsgd_top_k")
 MAX_SKETCH_COLUMNS = 2**31  # a count sketch's columns stay below it (its hashes: m c < 2**63)
 
 
+MAX_SEED = 2**63 - 1  # seeds torch's generators take as they are (int64)
+
+
+def check_seed(seed, argument="seed"):
+    """``int(seed)``; TypeError unless an int, ValueError outside ``[0, 2**63)`` (checked before any
+    state exists: a torch generator refuses larger ones only when it is seeded)."""
+    seed = check_int(seed, argument, 0)
+    if seed > MAX_SEED:
+        raise ValueError(f"{argument} must be below 2**63, got {seed}")
+    return seed
+
+
 def _shared(ratio, warmup_steps, min_numel):
     """The arguments ScaleCom shares, validated (and normalised) by ScaleComConfig."""
     return ScaleComConfig(ratio=ratio, warmup_steps=warmup_steps, min_numel=min_numel)
@@ -59,7 +71,7 @@ class SketchedSGDConfig:
         if self.columns is not None and self.columns >= MAX_SKETCH_COLUMNS:
             raise ValueError(f"columns must be below 2**31 (the count sketch's hashes), got {self.columns}")
         object.__setattr__(self, "candidates", check_int(self.candidates, "candidates", 1))
-        object.__setattr__(self, "seed", check_int(self.seed, "seed", 0))
+        object.__setattr__(self, "seed", check_seed(self.seed))
         object.__setattr__(self, "momentum", check_real(self.momentum, "momentum", 0.0, 1.0, high_open=True))
 
     def is_sketched(self, shape):
@@ -125,7 +137,7 @@ class QsparseConfig:
         object.__setattr__(self, "levels", check_int(self.levels, "levels", 1))
         if self.levels > 2**24:  # xi = floor(s |v| / ||v||) + 0 or 1 is computed in float32
             raise ValueError(f"levels must be at most 2**24 (QSGD's levels are counted in float32), got {self.levels}")
-        object.__setattr__(self, "seed", check_int(self.seed, "seed", 0))
+        object.__setattr__(self, "seed", check_seed(self.seed))
         if self.operator not in QSPARSE_OPERATORS:
             raise ValueError(f"operator must be one of {QSPARSE_OPERATORS}, got {self.operator!r}")
         if self.index_dtype not in INDEX_DTYPES:

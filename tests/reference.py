@@ -159,6 +159,8 @@ class SketchedReference:
     default ``10 k``) estimate ``sum_i v_i``; its ``candidates k`` largest estimated magnitudes get
     their exact sums, whose ``k`` largest are applied, ``/ n``, and zeroed in every ``u_i`` and ``v_i``.
     Other tensors, and every tensor during the first ``warmup_steps`` steps, apply ``mean_i u_i``.
+    A non-finite ``S`` applies NaN to the sketched tensors and sets the non-finite entries of every
+    ``u_i`` and ``v_i`` to 0 (this project's rule: the paper has none).
     ``hashes(numel, rows, columns)`` gives the sketch's ``(buckets, signs)``, ``(rows, numel)`` each.
     """
 
@@ -197,6 +199,11 @@ class SketchedReference:
             table = np.zeros((self.rows, self.columns))
             for j in range(self.rows):  # the sum of the workers' sketches is the sketch of the sum
                 np.add.at(table[j], self.buckets[j], self.signs[j] * total)
+            if not np.isfinite(table).all():  # a non-finite gradient somewhere: no round 2, a NaN
+                update = np.full(self.numel, np.nan)  # update, and no non-finite entry kept
+                self.u[~np.isfinite(self.u)] = 0.0
+                self.v[~np.isfinite(self.v)] = 0.0
+                return self._split(out, update)
             estimate = np.median([self.signs[j] * table[j, self.buckets[j]] for j in range(self.rows)], axis=0)
             candidates = np.argsort(-np.abs(estimate), kind="stable")[:self.count]
             exact = total[candidates]
@@ -205,6 +212,11 @@ class SketchedReference:
             update[chosen] = total[chosen] / self.n
             self.u[:, chosen] = 0.0
             self.v[:, chosen] = 0.0
+        return self._split(out, update)
+
+    def _split(self, out, update):
+        """The step's result: ``out`` (the dense tensors) and the sketched vector's ``update``, cut
+        into the sketched tensors."""
         at = 0
         for m in self.sketched:
             d = math.prod(self.shapes[m])

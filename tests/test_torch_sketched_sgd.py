@@ -111,6 +111,9 @@ add_run("np2_second", "sketched_sum_second", "torch_seed_sketched.py",
 BF16 = {**BASE, "warmup_steps": 1, "steps": 4, "dtype": "bfloat16"}
 add_run("np2_first", "sketched_bf16", "torch_seed_sketched.py", BF16,
         ["test_bf16_gradients_travel_as_fp32_and_match_the_reference"])
+NAN = {**BASE, "warmup_steps": 1, "steps": 5, "nan_at": [2, 1]}
+add_run("np2_first", "sketched_nan", "torch_seed_sketched.py", NAN,
+        ["test_a_nan_in_one_ranks_gradient_skips_round_two_on_every_rank_and_is_not_kept"])
 add_run("np2_first", "sketched_disagreeing", "torch_seed_sketched.py",
         {**BASE, "steps": 2, "per_rank": {"1": {"rows": 5}}},
         ["test_ranks_configured_differently_all_raise"], fails=True)
@@ -290,6 +293,29 @@ def test_sum_op_groups_accumulation_and_checkpoint_round_trip(request, tmp_path_
         replay(fresh, second, 3, first=4, scale=2.0)
 
 
+def test_a_nan_in_one_ranks_gradient_skips_round_two_on_every_rank_and_is_not_kept(request, tmp_path_factory):
+    """np=2, rank 1's hidden.weight gradient has a NaN at step 2: both ranks hand the optimizer NaN for
+    the sketched tensors (the job then skips that step, as a loss scaler would), count it, and keep no
+    NaN: every later step applies k finite coordinates, as the reference and the simulator do."""
+    results = completed(shared_job("np2_first", request, tmp_path_factory), "sketched_nan", 2)
+    assert np.isnan(results[1]["raw/2/hidden.weight"].reshape(-1)[7])
+    follow(reference(NAN, 2), results, NAN["steps"])
+    sim = simulator(NAN, 2)
+    replay(sim, results, NAN["steps"])
+    assert sim.scheme.nonfinite_skips == 1
+    for r in results:
+        for t in range(NAN["steps"]):
+            sketched = np.concatenate([r[f"applied/{t}/{n}"].reshape(-1) for n in ("hidden.weight", "out.weight")])
+            if t == 2:
+                assert np.isnan(sketched).all()
+            else:
+                assert np.isfinite(sketched).all()
+                assert np.count_nonzero(sketched) == (3072 + 640 if t < 1 else K), t
+            assert np.isfinite(r[f"applied/{t}/hidden.bias"]).all()
+            assert json.loads(str(r[f"stats/{t}"]))["nonfinite_skips"] == (1 if t >= 2 else 0)
+    check_identical_weights(results)
+
+
 def test_bf16_gradients_travel_as_fp32_and_match_the_reference(request, tmp_path_factory):
     """Horovod's collectives take no bfloat16: the dense warm-up reduction, the sketch and the probe
     travel as float32, and the optimizer gets the reference's update rounded to bfloat16."""
@@ -405,3 +431,47 @@ def test_tensor_that_is_no_parameters_gradient():
     compression = SketchedSGD(small_model().named_parameters())
     with pytest.raises(ValueError, match="not the gradient of any parameter in named_parameters"):
         compression.compress(torch.zeros(30, 40))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7, 18])  # each with a tie at the cut
+def test_candidates_are_one_list_on_every_path(seed):
+    """Round 2 sums ``v_i[candidates]`` position by position, so every rank must find the same list
+    in the same order whichever path it runs: the count largest ``|estimate|``, ties at the cut to the
+    lowest indices, ascending. Coordinates sharing the median's bucket tie often (in these cases the
+    C selection and ``torch.topk`` gave their lists in different orders, and for seeds 1, 7 and 18
+    kept different tied coordinates)."""
+    from hvd_scalecom import native
+    from hvd_scalecom.baseline_config import SketchedSGDConfig
+    from hvd_scalecom.torch.sketched_steps import heavy_candidates
+
+    config = SketchedSGDConfig()
+    d = 16384
+    k = config.num_selected([d])
+    count = config.num_candidates(k, d)
+    generator = torch.Generator().manual_seed(seed)
+    sketch = CountSketch(d, config.rows, config.num_columns(k), seed=seed)
+    table = sketch.sketch(torch.randn(d, generator=generator)) + sketch.sketch(torch.randn(d, generator=generator))
+    magnitude = sketch.estimate(table).abs().numpy()
+    expected = np.sort(np.argsort(-magnitude, kind="stable")[:count])
+    assert np.count_nonzero(magnitude == magnitude[expected].min()) > 1  # a tie at the cut
+    found = heavy_candidates(sketch, table, count)
+    with native.torch_operations():
+        by_torch = heavy_candidates(sketch, table, count)
+    np.testing.assert_array_equal(found.numpy(), expected)
+    np.testing.assert_array_equal(by_torch.numpy(), expected)
+
+
+def test_seed_beyond_the_generators_range_is_refused_before_any_state():
+    from hvd_scalecom.sim import Simulator
+    from hvd_scalecom.torch import QsparseLocalSGD, SketchedSGD
+
+    for make in (lambda: SketchedSGD(small_model().named_parameters(), seed=2**63),
+                 lambda: QsparseLocalSGD(torch.optim.SGD(small_model().parameters(), lr=0.1),
+                                         small_model().named_parameters(), seed=2**63),
+                 lambda: SimSketchedSGD(seed=2**63)):
+        with pytest.raises(ValueError, match="seed must be below 2"):
+            make()
+    SketchedSGD(small_model().named_parameters(), seed=2**63 - 1)
+    from hvd_scalecom.sim import PowerSGD  # its per-tensor seed wraps below 2**63
+    sim = Simulator(PowerSGD(seed=2**62, min_numel=16), 2, Net().named_parameters())
+    sim.step([[torch.ones_like(p) for p in Net().parameters()] for _ in range(2)])

@@ -10,7 +10,9 @@ the CPU's features, so that processes starting together or nodes sharing a home 
 a library built for another CPU. :func:`library` returns None (and warns once) where no compiler
 works, or where ``HVD_SCALECOM_NATIVE=0`` (read once, at the first call): the callers then use
 torch operations, which compute the same values (up to which entries tied at the k-th magnitude a
-leader takes); :func:`torch_operations` does the same for a block of code.
+leader takes: its indices travel to the other ranks; Sketched SGD's candidates, which every rank finds
+itself, are put in one order either way), so ranks may mix both; :func:`torch_operations` does the
+same for a block of code.
 """
 
 import contextlib

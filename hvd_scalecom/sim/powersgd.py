@@ -54,7 +54,7 @@ class PowerSGD(Scheme):
         entry = self.state[spec.name]
         error = self.memory(spec, G, key="error")  # fp32, or the gradient's dtype if wider (float64)
         if "q" not in entry:
-            generator = torch.Generator().manual_seed(self.seed * 100_003 + spec.index)
+            generator = torch.Generator().manual_seed((self.seed * 100_003 + spec.index) % 2**63)
             entry["q"] = torch.randn(cols, self.rank, generator=generator).to(G.device, error.dtype)
         M = (error + G).view(n, rows, cols)                                   # M_i = g_i + e_i
         P = mean_over_workers(left_factor(M, entry["q"]))                     # allreduce 1

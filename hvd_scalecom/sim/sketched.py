@@ -14,6 +14,9 @@ vectors such as biases and small tensors go uncompressed):
 4. round 2: allreduce of the ``P k`` exact values ``sum_i v_i[candidates]``; keep the top k of them, ``I``
 5. every worker applies ``scatter(I, sum_i v_i[I]) / n`` and zeroes ``u_i[I]`` and ``v_i[I]``
 
+A non-finite ``S`` (a NaN or Inf in some worker's gradient) skips steps 3-5, as on Horovod: the update is
+NaN and the non-finite entries of ``u_i`` and ``v_i`` are reset to 0 (counted in ``nonfinite_skips``).
+
 Uncompressed tensors get the same momentum and are applied densely (``mean_i u_i``). The learning rate
 is the caller's: the paper's ``v <- v + lr u`` equals this with a constant learning rate. The caller's
 optimizer should therefore run without momentum of its own.
@@ -29,9 +32,10 @@ from hvd_scalecom.baseline_config import SketchedSGDConfig
 from hvd_scalecom.config import ScaleComConfig
 from hvd_scalecom.sim.base import Scheme, public
 from hvd_scalecom.sim.traffic import StepRecord
+from hvd_scalecom.torch import clt_k
 from hvd_scalecom.torch.sketch import CountSketch
 from hvd_scalecom.torch.sketched_steps import (accumulate_, applied_update, heavy_candidates,
-                                               select_applied, vector_dtype, zero_applied_)
+                                               select_applied, skip_nonfinite_, vector_dtype, zero_applied_)
 
 
 class SketchedSGD(Scheme):
@@ -46,6 +50,7 @@ class SketchedSGD(Scheme):
     """
 
     name = "sketched_sgd"
+    nonfinite_skips = 0  # steps whose summed sketch was not finite (round 2 skipped)
 
     def __init__(self, ratio=0.01, rows=5, columns=None, candidates=2, momentum=0.9, warmup_steps=0,
                  min_numel=1024, *, seed=0):
@@ -111,6 +116,10 @@ class SketchedSGD(Scheme):
         accumulate_(u, v, G, self.momentum)                                      # u <- rho u + g; v <- v + u
         total = v.sum(dim=0)
         table = self.sketch.sketch(total)                                        # round 1: sum_i S(v_i)
+        record.add("allreduce", "value", "sketch", self.rows * self.c, v.dtype)
+        if not clt_k.all_finite(table):                                          # no round 2
+            self.nonfinite_skips += 1
+            return skip_nonfinite_(u, v, numel, dtype=v.dtype)
         candidates = heavy_candidates(self.sketch, table, self.settings.num_candidates(self.k, numel))
         exact = total[candidates]                                                # round 2: exact sums
         indices, sums = select_applied(candidates, exact, self.k)
@@ -121,7 +130,6 @@ class SketchedSGD(Scheme):
             hit[true] = True
             diagnostics["recall"] = float(hit[indices].sum()) / self.k
         zero_applied_(u, v, indices)                                             # u[I] = v[I] = 0
-        record.add("allreduce", "value", "sketch", self.rows * self.c, v.dtype)
         record.add("allreduce", "value", "candidates", candidates.numel(), v.dtype)
         return update
 

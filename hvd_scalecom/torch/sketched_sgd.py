@@ -16,7 +16,9 @@ vector, sketched as one ``r x c`` count sketch; the equations are those of
    round 2, ``allreduce.sketched_sgd.candidates`` (the exact ``sum_i v_i`` there), keeps the top k,
    ``I``, and zeroes ``u[I]`` and ``v[I]``. Every sketched tensor's ``decompress`` returns its slice of
    ``scatter(I, sum) / n`` times its reduced probe (1 under ``op=hvd.Average``, n under ``hvd.Sum``,
-   so the sketched tensors follow the optimizer's op like the dense ones).
+   so the sketched tensors follow the optimizer's op like the dense ones). A non-finite reduced
+   sketch (a NaN or Inf in some rank's gradient) skips round 2 on every rank: the step's update is
+   NaN, and the non-finite entries of u and v are reset to 0 (``stats()["nonfinite_skips"]``).
 
 Why no hook order can deadlock: nothing in ``compress`` waits (round 1 is posted, not waited for; the
 configuration check at the very first ``compress`` is the one exception, and every rank reaches its
@@ -47,7 +49,7 @@ from hvd_scalecom.torch.common import (GradientLookup, as_memory_of, check_agree
                                       wire_dtype)
 from hvd_scalecom.torch.sketch import CountSketch
 from hvd_scalecom.torch.sketched_steps import (accumulate_, applied_update, heavy_candidates,
-                                               select_applied, vector_dtype, zero_applied_)
+                                               select_applied, skip_nonfinite_, vector_dtype, zero_applied_)
 from hvd_scalecom.traffic import TrafficMeter, allreduce_bytes_sent
 
 SKETCH_NAME = "sketched_sgd.sketch"
@@ -121,6 +123,7 @@ class SketchedSGD(Compressor):
         self._agreed = False
         self.traffic = TrafficMeter()
         self.last_indices = None  # the coordinates of the sketched vector applied at the last step
+        self.nonfinite_skips = 0  # steps whose reduced sketch was not finite (round 2 skipped)
 
     # -- Horovod's Compressor interface -------------------------------------------------------------
 
@@ -132,6 +135,9 @@ class SketchedSGD(Compressor):
         if not tensor.dtype.is_floating_point:
             raise TypeError(f"SketchedSGD compresses floating-point gradients; the gradient of "
                             f"{self._names[i]!r} is {tensor.dtype}")
+        if self._sketch is None and i in self._offset:  # (before any state changes)
+            self._sketch = CountSketch(self.numel, self.config.rows, self.columns, seed=self.config.seed,
+                                       device=tensor.device)
         t = self._steps[i]
         self._steps[i] += 1
         dense_bytes = tensor.numel() * wire_dtype(tensor.dtype).itemsize  # (what Horovod can reduce: bf16 as fp32)
@@ -151,9 +157,6 @@ class SketchedSGD(Compressor):
         probe = torch.ones(1, dtype=wire_dtype(tensor.dtype), device=tensor.device)
         value_bytes = probe.element_size()
         if len(r.compressed) == len(self._sketched):  # the step's last sketched tensor: round 1
-            if self._sketch is None:
-                self._sketch = CountSketch(self.numel, self.config.rows, self.columns, seed=self.config.seed,
-                                           device=self._u.device)
             r.table = self._sketch.sketch(self._v)
             r.handle = hvd.allreduce_async_(r.table, name=SKETCH_NAME, op=hvd.Sum, **self._ps_kwargs())
             value_bytes += (r.table.numel() + self.num_candidates) * self._v.element_size()
@@ -217,7 +220,9 @@ class SketchedSGD(Compressor):
         the probe's dtype), ``dense_bytes`` (the momentum of
         the other tensors, and of all during warm-up), ``sent_bytes``, ``uncompressed_bytes``,
         ``ratio``, ``compress_seconds``, ``index_wait_seconds`` (0), ``tensors``; ``wire_bytes``, what
-        this rank sends in the ring allreduces (``2 (n - 1) / n * sent_bytes``); ``total``: all steps.
+        this rank sends in the ring allreduces (``2 (n - 1) / n * sent_bytes``); ``nonfinite_skips``,
+        the steps whose reduced sketch was not finite (all steps; their candidates, counted when the
+        sketch is sent, are not); ``total``: all steps.
         """
         explicit = step is not None  # (a default step is never refused)
         if step is None:
@@ -227,6 +232,7 @@ class SketchedSGD(Compressor):
         n = self._size()
         out["wire_bytes"] = allreduce_bytes_sent(out["sent_bytes"], n)
         out["step"] = step
+        out["nonfinite_skips"] = self.nonfinite_skips
         out["total"] = self.traffic.total.as_dict()
         out["total"]["wire_bytes"] = allreduce_bytes_sent(out["total"]["sent_bytes"], n)
         return out
@@ -335,7 +341,8 @@ class SketchedSGD(Compressor):
         return r
 
     def _second_round(self, r):
-        """Round 1's result, the candidates, round 2, and the step's update; zeroes u and v at I."""
+        """Round 1's result, the candidates, round 2, and the step's update; zeroes u and v at I (a
+        non-finite reduced sketch skips round 2 on every rank: :func:`sketched_steps.skip_nonfinite_`)."""
         if r.handle is None:
             missing = [self._names[j] for j in self._sketched if j not in r.compressed]
             self._round = None
@@ -344,6 +351,12 @@ class SketchedSGD(Compressor):
                 f"the step's sketch is incomplete. Pass only the parameters the optimizer reduces every "
                 f"step (frozen parameters, or sparse gradients without sparse_as_dense=True, are not).")
         hvd.synchronize(r.handle)                                                # S = sum_i S(v_i)
+        if not clt_k.all_finite(r.table):  # the same table on every rank: all skip round 2
+            r.update = skip_nonfinite_(self._u, self._v, self.numel, dtype=self._v.dtype)
+            r.table = r.handle = None
+            self.nonfinite_skips += 1
+            self.last_indices = torch.zeros(0, dtype=torch.int64, device=self._v.device)
+            return
         candidates = heavy_candidates(self._sketch, r.table, self.num_candidates)
         exact = hvd.allreduce(self._v[candidates], name=CANDIDATES_NAME, op=hvd.Sum,
                               **self._ps_kwargs())                               # sum_i v_i[candidates]

@@ -6,7 +6,8 @@ single flat vector on one Horovod rank; ``S(.)`` an ``r x c`` count sketch
 
 1. ``u <- rho u + g``; ``v <- v + u``                          (:func:`accumulate_`)
 2. round 1: the sketches are summed, ``S = sum_i S(v_i)``       (by the caller: an allreduce)
-3. the ``P k`` coordinates of largest estimated ``|sum_i v_i|``  (:func:`heavy_candidates`)
+3. the ``P k`` coordinates of largest estimated ``|sum_i v_i|``  (:func:`heavy_candidates`; a
+   non-finite ``S`` skips steps 3-5 instead, :func:`skip_nonfinite_`)
 4. round 2: their exact sums ``sum_i v_i[candidates]``; the top k of those are applied
    (:func:`select_applied`), as ``scatter(I, values) / n``
 5. ``u[I] = v[I] = 0`` on every worker                          (:func:`zero_applied_`)
@@ -30,15 +31,28 @@ def accumulate_(u, v, g, rho):
 
 
 def heavy_candidates(sketch, table, count):
-    """Step 3: int64 indices of the ``count`` largest ``|estimate|`` of the summed sketch ``table``.
+    """Step 3: the ``count`` coordinates of largest ``|estimate|`` of the summed sketch ``table``, int64
+    and ascending; of the coordinates tied at the count-th magnitude, the lowest indices (``table``
+    finite: see :func:`skip_nonfinite_`).
 
-    Every rank holds the same reduced table, so every rank finds the same candidates without sending
-    any index. They are ScaleCom's exact top-k (:func:`hvd_scalecom.torch.clt_k.select_top_k`,
-    ``"threshold"``: on the CPU one C pass over the estimate instead of ``torch.topk``; ties at the
-    count-th magnitude are broken the same way for identical input).
+    Every rank holds the same reduced table, so every rank finds the same candidates, in the same
+    order, without sending any index: round 2 sums ``v_i[candidates]`` position by position, so the
+    set and its order must not depend on which path (C, torch operations, CUDA) found them. They come
+    from ScaleCom's exact top-k (:func:`hvd_scalecom.torch.clt_k.select_top_k`, ``"threshold"``: on
+    the CPU one C pass over the estimate instead of ``torch.topk``), then the entries reaching its
+    smallest magnitude are taken again in index order (one read-only pass and its ``nonzero``).
     """
     estimate = sketch.estimate(table)
-    return clt_k.select_top_k(estimate, min(sketch.numel, count), "threshold")
+    count = min(sketch.numel, count)
+    chosen = clt_k.select_top_k(estimate, count, "threshold")
+    if count == 0 or count == sketch.numel:
+        return torch.arange(count, device=estimate.device)
+    magnitude = estimate.abs()
+    kth = magnitude[chosen].amin()
+    reaching = torch.nonzero(magnitude >= kth).flatten()     # ascending: every larger one and all ties
+    tied = magnitude[reaching] == kth
+    spare = count - int((~tied).sum())                       # how many of the ties are taken
+    return reaching[~tied | (tied.cumsum(0) <= spare)]
 
 
 def select_applied(candidates, exact, k):
@@ -58,6 +72,17 @@ def zero_applied_(u, v, indices):
     """Step 5: zero the applied coordinates of the momentum and the error accumulation (last axis)."""
     u[..., indices] = 0.0
     v[..., indices] = 0.0
+
+
+def skip_nonfinite_(u, v, numel, dtype=torch.float32):
+    """A step whose reduced sketch is not finite (the same table on every rank, so every rank takes
+    this path): no round 2; the non-finite entries of this rank's ``u`` and ``v`` (those a non-finite
+    gradient brought in, on the rank that had it) are reset to 0, and the step's update, returned, is
+    NaN, so that the optimizer sees a non-finite gradient as it would without compression. The rest
+    of ``u`` and ``v`` is kept, including the finite gradients every rank accumulated in this step."""
+    for state in (u, v):
+        state.masked_fill_(~torch.isfinite(state), 0.0)
+    return torch.full((numel,), float("nan"), dtype=dtype, device=v.device)
 
 
 def vector_dtype(dtypes):

@@ -66,10 +66,20 @@ if opts.get("resume_from"):
     if not opts.get("forget_compression_state"):
         compression.load_state_dict(saved["compression"])
 
+nan_step, nan_rank = opts.get("nan_at", (None, None))  # hidden.weight's entry 7 is NaN there
+
+
+def poisoned(grad):
+    grad = grad.clone()
+    grad.view(-1)[7] = float("nan")
+    return grad
+
+
 record = {}
 first_step = opts.get("first_step", 0)
 for t in range(first_step, first_step + opts.get("steps", 6)):
     raw = [torch.zeros_like(p) for p in params]
+    poison = model.hidden.weight.register_hook(poisoned) if (t, rank) == (nan_step, nan_rank) else None
     for k in range(passes):
         data_gen = torch.Generator().manual_seed(10000 * t + 100 * k + rank)
         x = torch.randn(16, 48, generator=data_gen).to(params[0].dtype)
@@ -84,7 +94,15 @@ for t in range(first_step, first_step + opts.get("steps", 6)):
             if g is not None:
                 acc += g
         loss_fn().backward()
-    optimizer.step()
+    if poison is not None:
+        poison.remove()
+    if nan_step is None:
+        optimizer.step()
+    else:  # a non-finite reduced gradient skips the step, as a loss scaler would
+        optimizer.synchronize()
+        if all(bool(torch.isfinite(p.grad).all()) for p in params):
+            with optimizer.skip_synchronize():
+                optimizer.step()
     for (name, p), r in zip(named, raw):
         record[f"raw/{t}/{name}"] = r.float().numpy()
         record[f"applied/{t}/{name}"] = p.grad.float().numpy()
