@@ -160,7 +160,8 @@ class SketchedReference:
     their exact sums, whose ``k`` largest are applied, ``/ n``, and zeroed in every ``u_i`` and ``v_i``.
     Other tensors, and every tensor during the first ``warmup_steps`` steps, apply ``mean_i u_i``.
     A non-finite ``S`` applies NaN to the sketched tensors and sets the non-finite entries of every
-    ``u_i`` and ``v_i`` to 0 (this project's rule: the paper has none).
+    ``u_i`` and ``v_i`` to 0 (this project's rule: the paper has none); a dense tensor's non-finite
+    momentum is applied, then set to 0.
     ``hashes(numel, rows, columns)`` gives the sketch's ``(buckets, signs)``, ``(rows, numel)`` each.
     """
 
@@ -188,11 +189,13 @@ class SketchedReference:
             u *= self.rho
             u += np.array([np.asarray(g[m], np.float64).reshape(-1) for g in grads])
             out[m] = u.mean(axis=0)
+            u[~np.isfinite(u)] = 0.0
         g = np.array([np.concatenate([np.asarray(gi[m], np.float64).reshape(-1) for m in self.sketched])
                       for gi in grads]) if self.sketched else np.zeros((self.n, 0))
         self.u = self.rho * self.u + g
         if self.t < self.warmup_steps:
             update = self.u.mean(axis=0)
+            self.u[~np.isfinite(self.u)] = 0.0
         else:
             self.v = self.v + self.u
             total = self.v.sum(axis=0)

@@ -15,7 +15,8 @@ vectors such as biases and small tensors go uncompressed):
 5. every worker applies ``scatter(I, sum_i v_i[I]) / n`` and zeroes ``u_i[I]`` and ``v_i[I]``
 
 A non-finite ``S`` (a NaN or Inf in some worker's gradient) skips steps 3-5, as on Horovod: the update is
-NaN and the non-finite entries of ``u_i`` and ``v_i`` are reset to 0 (counted in ``nonfinite_skips``).
+NaN and the non-finite entries of ``u_i`` and ``v_i`` are reset to 0 (counted in ``nonfinite_skips``);
+so are a dense tensor's (applied as they are, NaN included).
 
 Uncompressed tensors get the same momentum and are applied densely (``mean_i u_i``). The learning rate
 is the caller's: the paper's ``v <- v + lr u`` equals this with a constant learning rate. The caller's
@@ -35,7 +36,8 @@ from hvd_scalecom.sim.traffic import StepRecord
 from hvd_scalecom.torch import clt_k
 from hvd_scalecom.torch.sketch import CountSketch
 from hvd_scalecom.torch.sketched_steps import (accumulate_, applied_update, heavy_candidates,
-                                               select_applied, skip_nonfinite_, vector_dtype, zero_applied_)
+                                               reset_nonfinite_, select_applied, skip_nonfinite_, vector_dtype,
+                                               zero_applied_)
 
 
 class SketchedSGD(Scheme):
@@ -89,6 +91,7 @@ class SketchedSGD(Scheme):
                 u.mul_(self.momentum).add_(G)
                 record.dense(spec.name, spec.numel, G.dtype)
                 updates[spec.name] = u.mean(dim=0).to(G.dtype)
+                reset_nonfinite_(u)
         if self.sketched:
             G = torch.cat([by_name[s.name] for s in self.sketched], dim=1)
             if self._u is None:
@@ -97,6 +100,7 @@ class SketchedSGD(Scheme):
             if t < self.config.warmup_steps:  # dense momentum SGD, nothing accumulated in v
                 self._u.mul_(self.momentum).add_(G)
                 update = self._u.mean(dim=0)
+                reset_nonfinite_(self._u)
                 for spec in self.sketched:
                     record.dense(spec.name, spec.numel, by_name[spec.name].dtype)
             else:

@@ -18,7 +18,8 @@ vector, sketched as one ``r x c`` count sketch; the equations are those of
    ``scatter(I, sum) / n`` times its reduced probe (1 under ``op=hvd.Average``, n under ``hvd.Sum``,
    so the sketched tensors follow the optimizer's op like the dense ones). A non-finite reduced
    sketch (a NaN or Inf in some rank's gradient) skips round 2 on every rank: the step's update is
-   NaN, and the non-finite entries of u and v are reset to 0 (``stats()["nonfinite_skips"]``).
+   NaN, and the non-finite entries of u and v are reset to 0 (``stats()["nonfinite_skips"]``); so
+   are those of a dense tensor's u once it is sent.
 
 Why no hook order can deadlock: nothing in ``compress`` waits (round 1 is posted, not waited for; the
 configuration check at the very first ``compress`` is the one exception, and every rank reaches its
@@ -49,7 +50,8 @@ from hvd_scalecom.torch.common import (GradientLookup, as_memory_of, check_agree
                                       wire_dtype)
 from hvd_scalecom.torch.sketch import CountSketch
 from hvd_scalecom.torch.sketched_steps import (accumulate_, applied_update, heavy_candidates,
-                                               select_applied, skip_nonfinite_, vector_dtype, zero_applied_)
+                                               reset_nonfinite_, select_applied, skip_nonfinite_, vector_dtype,
+                                               zero_applied_)
 from hvd_scalecom.traffic import TrafficMeter, allreduce_bytes_sent
 
 SKETCH_NAME = "sketched_sgd.sketch"
@@ -145,6 +147,7 @@ class SketchedSGD(Compressor):
             u = self._momentum_of(i, tensor)
             u.mul_(self.config.momentum).add_(tensor.reshape(-1))                    # u <- rho u + g
             sent, ctx = dense_on_the_wire(u, tensor.dtype, copy=True)  # fresh: reduced in place
+            reset_nonfinite_(u)  # (once sent: a non-finite gradient reaches the optimizer, not u)
             self.traffic.record(t, dense_bytes=dense_bytes, uncompressed_bytes=dense_bytes,
                                 compress_seconds=time.perf_counter() - start)
             return sent.view(tensor.shape), ctx  # (bf16: cast back in decompress)

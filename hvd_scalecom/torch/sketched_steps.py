@@ -80,9 +80,16 @@ def skip_nonfinite_(u, v, numel, dtype=torch.float32):
     gradient brought in, on the rank that had it) are reset to 0, and the step's update, returned, is
     NaN, so that the optimizer sees a non-finite gradient as it would without compression. The rest
     of ``u`` and ``v`` is kept, including the finite gradients every rank accumulated in this step."""
-    for state in (u, v):
-        state.masked_fill_(~torch.isfinite(state), 0.0)
+    reset_nonfinite_(u, v)
     return torch.full((numel,), float("nan"), dtype=dtype, device=v.device)
+
+
+def reset_nonfinite_(*states):
+    """Set the non-finite entries of ``states`` to 0 (a rank's momentum or error after a non-finite
+    gradient, once it has been sent: the NaN reaches the optimizer, the state keeps none)."""
+    for state in states:
+        if not clt_k.all_finite(state):
+            state.masked_fill_(~torch.isfinite(state), 0.0)
 
 
 def vector_dtype(dtypes):

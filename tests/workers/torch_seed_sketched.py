@@ -66,7 +66,7 @@ if opts.get("resume_from"):
     if not opts.get("forget_compression_state"):
         compression.load_state_dict(saved["compression"])
 
-nan_step, nan_rank = opts.get("nan_at", (None, None))  # hidden.weight's entry 7 is NaN there
+nan_at = {(t, r): name for t, r, name in opts.get("nan_at", [])}  # (step, rank): entry 7 of name is NaN
 
 
 def poisoned(grad):
@@ -79,7 +79,7 @@ record = {}
 first_step = opts.get("first_step", 0)
 for t in range(first_step, first_step + opts.get("steps", 6)):
     raw = [torch.zeros_like(p) for p in params]
-    poison = model.hidden.weight.register_hook(poisoned) if (t, rank) == (nan_step, nan_rank) else None
+    poison = dict(named)[nan_at[t, rank]].register_hook(poisoned) if (t, rank) in nan_at else None
     for k in range(passes):
         data_gen = torch.Generator().manual_seed(10000 * t + 100 * k + rank)
         x = torch.randn(16, 48, generator=data_gen).to(params[0].dtype)
@@ -96,7 +96,7 @@ for t in range(first_step, first_step + opts.get("steps", 6)):
         loss_fn().backward()
     if poison is not None:
         poison.remove()
-    if nan_step is None:
+    if not nan_at:
         optimizer.step()
     else:  # a non-finite reduced gradient skips the step, as a loss scaler would
         optimizer.synchronize()
