@@ -225,6 +225,36 @@ def test_a_sparse_embedding_gradient_bypasses_scalecom_without_a_hang(horovod_jo
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
+def test_commits_and_a_rollback_beside_a_sparse_embedding(horovod_job, pipelined):
+    """Elastic's commit after every step (state_dict() on every rank, then a collective), and after
+    step 0 a rollback to the state taken before it, while rank 1 still holds the receive it posted at
+    step 0 for the sparse embedding (which Horovod reduced without compress; its leader completes it
+    at its next step): state_dict() does not wait for that receive, load_state_dict() keeps it open
+    for that step to complete, and the run matches the reference, step 0 twice alike."""
+    opts = {"ratio": 0.05, "beta": 0.5, "min_numel": 600, "steps": 4, "embedding": True, "pipelined": pipelined,
+            "timeout": 10, "commit_every_step": True, "rollback": {"after": 0, "to": 0}, "record_indices": True}
+    results, _ = horovod_job("torch_scalecom.py", opts, np=2, timeout=180)
+    check_against_reference(results, opts, steps=4)  # the memories after the last step included
+    names = NAMES + ["embed.weight"]
+    check_identical_weights(results, names)
+    for rank, r in enumerate(results):
+        assert int(r["rolled_back"]) == 0
+        for n in names:
+            np.testing.assert_array_equal(r[f"first_attempt/0/{n}"], r[f"applied/0/{n}"], err_msg=f"{n}, rank {rank}")
+        mean = np.mean([other["raw/1/embed.weight"] for other in results], axis=0)
+        np.testing.assert_allclose(r["applied/1/embed.weight"], mean, rtol=1e-5, atol=1e-7)
+        committed = sorted(k for k in r if k.startswith("next_indices/"))
+        if not pipelined:
+            assert committed == []
+            continue
+        # each commit holds the indices the next step then used; none for the embedding
+        assert committed == [f"next_indices/{t}/{n}" for t in range(4) for n in ("hidden.weight", "out.weight")]
+        for t in range(3):
+            for n in ("hidden.weight", "out.weight"):
+                np.testing.assert_array_equal(r[f"next_indices/{t}/{n}"], [t + 1, *r[f"chosen/{t + 1}/{n}"]])
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
 def test_checkpoint_round_trip_continues_identically(horovod_job, tmp_path, pipelined):
     """10 steps straight equal 5 steps, a checkpoint, new processes, and 5 more steps."""
     base = {"ratio": 0.05, "beta": 0.3, "warmup_steps": 1, "min_numel": 600, "pipelined": pipelined,

@@ -154,6 +154,7 @@ class ScaleCom(Compressor):
         self._process_set = check_process_set(process_set)
         self._value_dtype = _TORCH_DTYPES.get(self.config.value_dtype)
         self._posted_through = -1  # last step whose index exchanges were posted ahead
+        self._kept_open = []  # (slot, this rank's posted part or None): left open at a load_state_dict
         self._agreed = False  # configurations compared across ranks (at the first compress)
         self._scratch_buffers = {}  # (dtype, device) -> the leader's reused buffer for p = m + g
         self.traffic = TrafficMeter()
@@ -323,12 +324,16 @@ class ScaleCom(Compressor):
 
     def state_dict(self):
         """Residue memories, step counters and (pipelined) the indices already chosen for the next
-        step, by parameter name, and the configuration. Call it between steps."""
+        step, by parameter name, and the configuration. Call it between steps.
+
+        It waits only for those indices (every rank gave its part of their exchange a step ago), not
+        for a receive left open by a tensor that Horovod reduced without ``compress``: only that
+        tensor's leader completes it, at its next step."""
         params = {}
         for s in self._slots:
             entry = {"step": s.step, "memory": None if s.memory is None else s.memory.detach().clone(),
                      "scale": s.scale}
-            if self.config.pipelined and s.posted is not None:
+            if self._selected_ahead(s):
                 t, handle, indices = s.posted
                 received = self._synchronize(handle, s)
                 indices = indices if received is None else received
@@ -338,7 +343,11 @@ class ScaleCom(Compressor):
         return {"config": self.config.as_dict(), "params": params}
 
     def load_state_dict(self, state):
-        """Restore what :meth:`state_dict` returned; checks everything before changing anything."""
+        """Restore what :meth:`state_dict` returned; checks everything before changing anything.
+
+        An index exchange still open in Horovod for a tensor that it reduced without ``compress`` (a
+        sparse gradient, say) is kept, whatever step the state restores: the next step completes it, as
+        it would have without the load (posting that exchange again before would be an error)."""
         params = checked_params(state, "ScaleCom", self.config.as_dict(), self._by_name)
         restored = {}  # name -> (memory, loss scale, next step's (t, indices) or None), all checked
         for name, entry in params.items():
@@ -360,13 +369,16 @@ class ScaleCom(Compressor):
                 ahead = (t, torch.as_tensor(indices).to(device=param.device, dtype=self._index_dtype(numel),
                                                         copy=True))
             restored[name] = (memory, scale, ahead)
+        left_open = [(slot, slot.posted) for slot in self._slots if self._left_open(slot)]
         for name, entry in params.items():
             slot = self._by_name[name]
             slot.memory, slot.scale, ahead = restored[name]
             slot.step = int(entry["step"])
             slot.posted = None if ahead is None else (ahead[0], None, ahead[1])
             slot.expected = slot.ahead_for = None if ahead is None else ahead[0]
-            slot.excluded = False
+        for slot, _ in left_open:
+            slot.excluded = True  # as the next step would find (and nothing posted for it again)
+        self._kept_open += left_open
         self._lookup.reset()
         self._posted_through = -1
 
@@ -383,6 +395,7 @@ class ScaleCom(Compressor):
             slot.step = step
             slot.posted = slot.expected = slot.ahead_for = None
             slot.excluded = False
+        self._kept_open = []  # (Horovod was re-initialised: nothing of the old world is open)
         self._lookup.reset()
         self._posted_through = -1
         self._agreed = False
@@ -441,12 +454,14 @@ class ScaleCom(Compressor):
 
         A tensor expected in the previous step but not reduced then (say, a sparse gradient that
         Horovod reduces without compressing it) left a receive pending on the non-leaders: its leader
-        completes it with a dummy and the tensor is no longer posted ahead.
+        completes it with a dummy and the tensor is no longer posted ahead. So are those that
+        :meth:`load_state_dict` kept open.
         """
         if self._posted_through == t:
             return
         self._posted_through = t
-        stale = []
+        stale = [self._complete_unused(slot, posted, rank) for slot, posted in self._kept_open]
+        self._kept_open = []
         for slot in self._slots:
             if slot.expected is not None and slot.expected < t and slot.step <= slot.expected:
                 stale.append(self._drop_stale(slot, rank, size))
@@ -459,14 +474,18 @@ class ScaleCom(Compressor):
             hvd.synchronize(handle)
 
     def _drop_stale(self, slot, rank, size):
-        t = slot.expected
         slot.excluded = True
         slot.expected = slot.ahead_for = None
-        if slot.posted is not None:  # a receive, or a pipelined leader's own part
-            handle = slot.posted[1]
-            slot.posted = None
-            return handle
-        return self._share_async(slot, rank, self._dummy_indices(slot))  # only the leader posts none
+        posted, slot.posted = slot.posted, None
+        return self._complete_unused(slot, posted, rank)
+
+    def _complete_unused(self, slot, posted, rank):
+        """The handle to synchronize for an exchange that no step will use: that of this rank's
+        ``posted`` part (a receive, or a pipelined leader's own part), or where it posted none (only
+        the leader does not), of the dummy part it posts now."""
+        if posted is not None:
+            return posted[1]
+        return self._share_async(slot, rank, self._dummy_indices(slot))
 
     def _post(self, slot, t, rank, size):
         numel = slot.param.numel()
@@ -509,6 +528,20 @@ class ScaleCom(Compressor):
             buffer = None
         slot.posted = (t, self._share_async(slot, leader, buffer, ahead=True), buffer)
         slot.expected = slot.ahead_for = t
+
+    @staticmethod
+    def _left_open(slot):
+        """Whether the exchange posted ahead for step ``slot.expected`` is still open although that step
+        is over (between steps: Horovod reduced the tensor without ``compress``) and needs its leader's
+        part, which that leader posts at its next step (not one :meth:`_select_ahead` started)."""
+        return (slot.expected is not None and slot.step <= slot.expected
+                and slot.ahead_for != slot.expected)
+
+    @staticmethod
+    def _selected_ahead(slot):
+        """Whether ``slot.posted`` holds the indices :meth:`_select_ahead` started sharing (or a state
+        restored): every rank has posted its part of their exchange."""
+        return slot.posted is not None and slot.posted[0] == slot.ahead_for
 
     def _wait(self, slot, t, rank, size):
         if slot.posted is None or slot.posted[0] != t:

@@ -2,9 +2,12 @@
 
 argv: JSON options, output directory. Writes ``rank<R>.npz`` with, per step t and parameter name,
 ``raw/<t>/<name>`` (this rank's gradient, taken before Horovod touches it), ``applied/<t>/<name>``
-(the gradient the optimizer applied), ``final/<name>`` (weights) and the compressor's ``stats``.
+(the gradient the optimizer applied), ``final/<name>`` (weights) and the compressor's ``stats``;
+with ``rollback``, ``first_attempt/<t>/<name>`` (what a step applied before it ran again); with
+``commit_every_step``, ``next_indices/<t>/<name>`` ((step, *sorted indices) that state_dict() held).
 """
 
+import copy
 import json
 import os
 import sys
@@ -164,7 +167,26 @@ if opts.get("record_indices"):  # I of every compressed step, as decompress rece
         return decompress_once(tensor, ctx)
     compression.decompress = recording_decompress
 first_step = opts.get("first_step", 0)
-for t in range(first_step, first_step + opts.get("steps", 6)):
+schedule = list(range(first_step, first_step + opts.get("steps", 6)))
+rollback = opts.get("rollback")  # {"after": a, "to": b}: after step a, back to the state at the top of step b
+if rollback:  # steps to..after run twice
+    end = schedule.index(rollback["after"]) + 1
+    schedule[end:end] = range(rollback["to"], rollback["after"] + 1)
+snapshot = None  # (compression, model, optimizer) state at the top of step rollback["to"]
+
+
+def commit(t):
+    """What elastic's state.commit() does: every rank takes state_dict(), then joins a collective."""
+    for name, entry in compression.state_dict()["params"].items():
+        if "next_indices" in entry:
+            step, indices = entry["next_indices"]
+            record[f"next_indices/{t}/{name}"] = np.array([step, *sorted(indices.tolist())])
+    hvd.allreduce(torch.zeros(1), name=f"worker.commit.{t}")
+
+
+for t in schedule:
+    if rollback and t == rollback["to"] and snapshot is None:
+        snapshot = copy.deepcopy((compression.state_dict(), model.state_dict(), optimizer.state_dict()))
     raw = [torch.zeros_like(p) for p in params]
     for k in range(passes):
         data_gen = torch.Generator().manual_seed(10000 * t + 100 * k + rank)  # resumable data order
@@ -237,6 +259,16 @@ for t in range(first_step, first_step + opts.get("steps", 6)):
         record[f"applied/{t}/{name}"] = (p.grad.to_dense() if p.grad.is_sparse else p.grad).float().numpy()
     record["applied_dtype"] = np.array(str(params[0].grad.dtype))
     optimizer.zero_grad()
+    if opts.get("commit_every_step"):
+        commit(t)
+    if rollback and t == rollback["after"] and "rolled_back" not in record:
+        record["rolled_back"] = np.array(t)
+        for redo in range(rollback["to"], t + 1):  # the first attempts, before the steps run again
+            for name, _ in named:
+                record[f"first_attempt/{redo}/{name}"] = record[f"applied/{redo}/{name}"]
+        compression.load_state_dict(snapshot[0])
+        model.load_state_dict(snapshot[1])
+        optimizer.load_state_dict(snapshot[2])
 
 for name, p in named:
     record[f"final/{name}"] = p.detach().float().numpy()
