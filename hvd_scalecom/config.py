@@ -26,6 +26,7 @@ VALUE_DTYPES = (None, "float32", "float16", "bfloat16")
 # float32) or these; the simulator takes all.
 HOROVOD_VALUE_DTYPES = tuple(d for d in VALUE_DTYPES if d != "bfloat16")
 INDEX_DTYPES = ("int64", "int32")
+STEP_LIMIT = 2**63  # step counters are int64 (TensorFlow's variables, saved states)
 INT32_INDEX_MAX_NUMEL = 2**31 - 1  # larger tensors' indices travel as int64 whatever index_dtype says
 
 
@@ -46,6 +47,16 @@ def check_int(value, argument, minimum, allow_none=False):
     if value < minimum:
         raise ValueError(f"{argument} must be >= {minimum}, got {value}")
     return int(value)
+
+
+def check_kept_step(step, newest, kept):
+    """``int(step)`` (checked as by ``check_int``); ValueError for one before the last ``kept`` steps
+    up to ``newest`` whose statistics are kept (none counted yet: ``newest`` is None)."""
+    check_int(step, "step", 0)
+    if newest is not None and step <= newest - kept:
+        raise ValueError(f"step {step} is not kept: the statistics keep the last {kept} steps "
+                         f"({newest - kept + 1}..{newest}); 'total' counts every step")
+    return int(step)
 
 
 def check_real(value, argument, low, high, low_open=False, high_open=False):
@@ -103,6 +114,9 @@ class ScaleComConfig:
             raise TypeError(f"warmup_steps must be an int, got {type(self.warmup_steps).__name__}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.warmup_steps >= STEP_LIMIT:
+            raise ValueError(f"warmup_steps must be below 2**63 (step counters are int64), got "
+                             f"{self.warmup_steps}")
         if not _is_int(self.min_numel):
             raise TypeError(f"min_numel must be an int, got {type(self.min_numel).__name__}")
         if self.min_numel < 0:

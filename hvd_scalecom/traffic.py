@@ -14,7 +14,7 @@ Per worker per step (``../docs/traffic.md`` states the model):
 import dataclasses
 import numbers
 
-from hvd_scalecom.config import check_int
+from hvd_scalecom.config import check_int, check_kept_step
 
 
 def allreduce_bytes_sent(nbytes, n):
@@ -116,11 +116,8 @@ class TrafficMeter:
         entry = self._by_step.get(step)
         if entry is not None:
             return entry
-        if strict and self._by_step:
-            newest = max(self._by_step)
-            if step < newest - self._keep:
-                raise ValueError(f"step {step} is not kept: the statistics keep the last {self._keep + 1} "
-                                 f"steps ({newest - self._keep}..{newest}); 'total' counts every step")
+        if strict:
+            check_kept_step(step, max(self._by_step, default=None), self._keep + 1)
         return StepTraffic()
 
     @property

@@ -355,6 +355,66 @@ def test_a_keras_model_with_the_distributed_optimizer_saves_and_loads_as_documen
     assert one_rank(code, "LOADED ") == ["LOADED True True"]
 
 
+def test_stats_refuses_bad_steps_as_pytorch_does():
+    """stats(step=...): an int >= 0 (bools are not), and one of the last 8 steps (TIMING_STEPS); a
+    step not begun yet has zeros; before any step nothing is refused. Messages as PyTorch's."""
+    code = ("import json, numpy as np, tensorflow as tf, horovod.tensorflow as hvd\n"
+            "from hvd_scalecom.tensorflow import ScaleCom\n"
+            "hvd.init()\n"
+            "compression = ScaleCom([tf.Variable(tf.zeros([2000]))], ratio=0.05, min_numel=100)\n"
+            "print('FRESH', compression.stats(step=5)['sent_bytes'])\n"
+            "for t in range(12):\n"
+            "    grad = tf.constant(np.random.default_rng(t).standard_normal(2000), tf.float32)\n"
+            "    compression.decompress(*compression.compress(grad))\n"
+            "for step in (11, np.int64(4), 12, 3, -1, True, 2.5, '3'):\n"
+            "    try:\n"
+            "        s = compression.stats(step=step)\n"
+            "        print('STEP', json.dumps([s['step'], s['sent_bytes'], s['compress_seconds'] > 0]))\n"
+            "    except (TypeError, ValueError) as e:\n"
+            "        print('STEP', type(e).__name__, e)\n")
+    assert one_rank(code, "FRESH", "STEP") == [
+        "FRESH 0",
+        "STEP [11, 800, true]", "STEP [4, 800, true]", "STEP [12, 0, false]",
+        "STEP ValueError step 3 is not kept: the statistics keep the last 8 steps (4..11); 'total' "
+        "counts every step",
+        "STEP ValueError step must be >= 0, got -1", "STEP TypeError step must be an int, got True",
+        "STEP TypeError step must be an int, got 2.5", "STEP TypeError step must be an int, got '3'"]
+
+
+def test_make_train_step_scales_the_loss_as_keras_train_step_does():
+    """Keras optimizers divide what they apply by their loss scale (loss_scale_factor=, a
+    LossScaleOptimizer's dynamic scale): make_train_step multiplies the loss by optimizer.scale_loss
+    as Keras's own train step does, so that the update is the same as that of train_on_batch, and
+    returns the unscaled loss."""
+    code = ("import numpy as np, tensorflow as tf, keras, horovod.tensorflow as hvd\n"
+            "from hvd_scalecom.tensorflow import make_train_step\n"
+            "hvd.init()\n"
+            "x, y = np.random.default_rng(0).random((16, 8), np.float32), np.arange(16) % 4\n"
+            "loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)\n"
+            "def model():\n"
+            "    keras.utils.set_random_seed(0)\n"
+            "    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])\n"
+            "def update(train, optimizer):\n"
+            "    m = model()\n"
+            "    before = m.get_weights()\n"
+            "    loss_value = float(train(m, optimizer))\n"
+            "    return [b - a for b, a in zip(before, m.get_weights())], loss_value\n"
+            "def keras_step(m, optimizer):\n"
+            "    m.compile(optimizer=optimizer, loss=loss, jit_compile=False)\n"
+            "    return m.train_on_batch(x, y)\n"
+            "def helper_step(m, optimizer):\n"
+            "    return make_train_step(m, optimizer, loss)(x, y)\n"
+            "unscaled = float(loss(y, model()(x)))\n"
+            "for label, make in [('plain', lambda: keras.optimizers.SGD(0.1)),\n"
+            "                    ('factor', lambda: keras.optimizers.SGD(0.1, loss_scale_factor=128.0)),\n"
+            "                    ('dynamic', lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)))]:\n"
+            "    (expected, _), (got, loss_value) = update(keras_step, make()), update(helper_step, make())\n"
+            "    same = all(np.allclose(g, e, rtol=1e-6, atol=1e-9) for g, e in zip(got, expected))\n"
+            "    print(label, same, np.abs(expected[0]).sum() > 0.01, loss_value == unscaled)\n")
+    assert one_rank(code, "plain", "factor", "dynamic") == [
+        "plain True True True", "factor True True True", "dynamic True True True"]
+
+
 def one_rank(code, *prefixes):
     """Runs ``code`` in a fresh Python (a one-rank Horovod job after its ``hvd.init()``); returns the
     lines of its output that start with one of ``prefixes``."""
@@ -368,26 +428,58 @@ def one_rank(code, *prefixes):
 
 def test_a_gradient_that_bypasses_compress_is_an_error_at_the_next_step():
     """Horovod sends an IndexedSlices gradient to its allgather without calling compress; the
-    gradients after it would be matched to the wrong variables. With two variables of one shape
-    (so no shape check can notice), the first step goes through and the second raises."""
-    code = ("import tensorflow as tf, horovod.tensorflow as hvd\n"
+    gradients after it would be matched to the wrong variables. With three variables of one shape
+    (so no shape check can notice), the first step goes through, the third gradient going to the
+    second variable, and the second step raises, changing no variable's counter, tally or memory."""
+    code = ("import json, numpy as np, tensorflow as tf, horovod.tensorflow as hvd\n"
             "from hvd_scalecom.tensorflow import ScaleCom\n"
             "hvd.init()\n"
-            "embedding, w = tf.Variable(tf.ones([16, 100])), tf.Variable(tf.ones([16, 100]))\n"
-            "compression = ScaleCom([embedding, w], ratio=0.01, min_numel=10)\n"
+            "rng = np.random.default_rng(0)\n"
+            "variables = [tf.Variable(rng.standard_normal([16, 100]), dtype=tf.float32) for _ in range(3)]\n"
+            "compression = ScaleCom(variables, ratio=0.01, beta=0.5, min_numel=10)\n"
             "@tf.function\n"
             "def step():  # as DistributedGradientTape.gradient reduces: one allreduce per gradient\n"
             "    sparse = tf.IndexedSlices(tf.ones([1, 100]), tf.constant([0]), tf.constant([16, 100]))\n"
-            "    return (hvd.allreduce(sparse, compression=compression),\n"
+            "    return (hvd.allreduce(tf.fill([16, 100], 1.0), compression=compression),\n"
+            "            hvd.allreduce(sparse, compression=compression),\n"
             "            hvd.allreduce(tf.fill([16, 100], 2.0), compression=compression))\n"
+            "def state():\n"
+            "    return ([int(s.numpy()) for s in compression.steps],\n"
+            "            [s.tally.numpy().tolist() for s in compression._slots],\n"
+            "            [float(np.abs(m.numpy()).sum()) for m in compression.memories], compression.stats())\n"
             "step()\n"
-            "print('STEPS', [int(s.numpy()) for s in compression.steps])\n"
+            "before = state()\n"
+            "print('STEPS', before[0], 'MEMORIES', [m > 0 for m in before[2]])\n"
             "try:\n"
             "    step()\n"
             "except tf.errors.InvalidArgumentError as e:\n"
             "    print('REFUSED', 'did not reach compress' in e.message and 'sparse_as_dense=True' in e.message)\n"
-            "print('STEPS', [int(s.numpy()) for s in compression.steps])\n")
-    assert one_rank(code, "STEPS", "REFUSED") == ["STEPS [1, 0]", "REFUSED True", "STEPS [1, 0]"]
+            "print('UNCHANGED', json.dumps(state() == before))\n")
+    assert one_rank(code, "STEPS", "MEMORIES", "REFUSED", "UNCHANGED") == [
+        "STEPS [1, 1, 0] MEMORIES [True, True, False]", "REFUSED True", "UNCHANGED true"]
+
+
+def test_refused_steps_through_the_tape_change_nothing_and_grouped_fp16_values_are_refused(horovod_job):
+    """2 ranks, hvd.DistributedGradientTape, which compresses each gradient in a tf.cond branch of
+    its own: a step refused because a sparse gradient bypassed compress leaves every variable's
+    counter, tally, memory and stats() as they were, on every rank, and Horovod works on after it.
+    groups=1 with fp16 values and a variable below min_numel (reduced densely in float32) would put
+    two dtypes in one grouped allreduce: every rank gets a ValueError naming both arguments."""
+    results, _ = horovod_job("tf_refusals.py", {}, np=2)
+    assert len(results) == 2
+    for rank, r in enumerate(results):
+        assert "did not reach compress" in str(r["bypass/error"]), f"rank {rank}"
+        assert list(r["bypass/steps/first"]) == [1, 1, 1, 0]
+        for what in ("steps", "tallies", "memories"):
+            np.testing.assert_array_equal(r[f"bypass/{what}/refused"], r[f"bypass/{what}/first"],
+                                          err_msg=f"rank {rank}: {what}")
+        assert np.abs(r["bypass/memories/first"][1]).sum() > 0  # (the second variable's changed)
+        assert json.loads(str(r["bypass/stats/refused"])) == json.loads(str(r["bypass/stats/first"]))
+        assert list(r["bypass/after"]) == [1.0]  # 0 + 1
+        error = str(r["groups/error"])
+        assert error.startswith("ValueError") and "value_dtype='float16' does not go with groups=" in error
+        assert "variable #1 ('Variable#1') travels as float32 (dense: 10 entries, below " \
+               "min_numel=100)" in error, error
 
 
 def test_staggered_leader_fp16_values_threshold_selection_process_set(horovod_job):
@@ -411,9 +503,12 @@ def test_staggered_leader_fp16_values_threshold_selection_process_set(horovod_jo
 def test_keras_helpers_match_reference(horovod_job, tmp_path):
     """One Keras 3 model and one ScaleCom: make_train_step as a tf.function (steps 0-2), eagerly
     (3-4), then model.fit with DistributedOptimizer (5-6). The applied update is the reference's.
-    The LogStats callback writes stats() during fit, at the optimizer's iterations 1 and 2."""
+    The LogStats callback writes stats() during fit, at the optimizer's iterations 1 and 2. The
+    optimizers have loss_scale_factor=128: the gradients ScaleCom compresses are the loss-scaled
+    ones, and the optimizer's apply divides the scale out again."""
     opts = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 7,
-            "mode": "keras", "lr": 1.0, "eager_from": 3, "fit_from": 5, "tensorboard": True}
+            "mode": "keras", "lr": 1.0, "eager_from": 3, "fit_from": 5, "tensorboard": True,
+            "loss_scale_factor": 128.0}
     results, _ = horovod_job("tf_scalecom.py", opts, np=2, out_dir=tmp_path)
     check_against_reference(results, opts, steps=7, rtol=1e-4, atol=2e-6)
     check_identical_weights(results)
@@ -453,6 +548,7 @@ def test_bad_arguments_name_the_argument(tf_modules):
         (dict(beta=0.0), ValueError, "beta"), (dict(beta="x"), ValueError, "beta"),
         (dict(warmup_steps=-1), ValueError, "warmup_steps"),
         (dict(warmup_steps=1.5), TypeError, "warmup_steps"),
+        (dict(warmup_steps=2 ** 63), ValueError, "warmup_steps must be below 2\\*\\*63"),  # int64 counters
         (dict(min_numel=-3), ValueError, "min_numel"), (dict(leader="random"), ValueError, "leader"),
         (dict(selection="approx"), ValueError, "selection"), (dict(op=2), ValueError, "op"),
         (dict(op=True), ValueError, "op"),

@@ -38,9 +38,11 @@ Which variable a gradient belongs to: Horovod's tape reduces the gradients in th
 (one ``gradient()`` call) to the n-th variable it was built with, restarting at the first variable in a
 new graph or after the last one, and checks that the shape matches. So: take gradients with respect
 to exactly the variables given to ScaleCom, in that order, each with a gradient (no ``None``, no
-``register_local_source``, ``groups`` only as an int; ``sparse_as_dense=True`` for embeddings).
+``register_local_source``, ``groups`` only as an int, and with ``value_dtype`` only where every
+variable of a group is compressed; ``sparse_as_dense=True`` for embeddings).
 """
 
+import contextlib
 import itertools
 import math
 import weakref
@@ -51,7 +53,8 @@ import horovod.tensorflow as hvd
 from horovod.tensorflow.compression import Compressor
 
 from hvd_scalecom import agreement
-from hvd_scalecom.config import HOROVOD_VALUE_DTYPES, INDEX_DTYPES, ScaleComConfig, check_dtype_name
+from hvd_scalecom.config import (HOROVOD_VALUE_DTYPES, INDEX_DTYPES, ScaleComConfig, check_dtype_name,
+                                 check_kept_step)
 from hvd_scalecom.state import check_next_indices, check_size, checked_params
 from hvd_scalecom.tensorflow import clt_k
 from hvd_scalecom.traffic import StepTraffic
@@ -98,6 +101,9 @@ class ScaleCom(tf.Module, Compressor):
             ``clt_k.select_top_k``), "threshold" found faster on large tensors.
         value_dtype: dtype the selected values travel in, ``tf.float16`` or ``tf.float32`` (default:
             the gradient's dtype; not bfloat16, for which Horovod's TensorFlow allreduce has no kernel).
+            With the tape's ``groups=``, Horovod reduces a group in one op of one dtype, so a group
+            may not mix compressed variables with ones below ``min_numel`` (a ValueError at the first
+            step).
         index_dtype: ``tf.int32`` (default; int64 for tensors of 2**31 entries or more) or ``tf.int64``.
         process_set: the Horovod process set the tape reduces over (default: all ranks).
         index_exchange: ``"broadcast"`` (default), ``"allreduce"`` or ``"allgather"``: how the
@@ -178,6 +184,8 @@ class ScaleCom(tf.Module, Compressor):
             self.statistics += [s.fresh for s in slots if s.compressible]
         self._cursor_graph = None  # (weak reference to) the graph the last gradient was traced in
         self._cursor = 0
+        self._step_checked = None  # variable #0's step counter, once every variable was found stepped
+        self._in_flight = []  # (slot, wire dtype) compressed since the last decompress: one group's
         self._agreed = False  # configurations compared across ranks (at the first compress)
 
     def __repr__(self):
@@ -198,7 +206,10 @@ class ScaleCom(tf.Module, Compressor):
             if not self._agreed:
                 self._check_agreement()
         slot.grad_dtype = tensor.dtype
-        checked = [self._check_every_variable_stepped()] if slot.index == 0 and len(self._slots) > 1 else []
+        self._check_one_dtype_per_group(slot, tensor.dtype)
+        if slot.index == 0:
+            self._step_checked = self._check_every_variable_stepped(_graph_of(tensor))
+        checked = [] if self._step_checked is None else [tf.identity(self._step_checked)]  # (a capture)
         with tf.name_scope(f"{self._prefix}_{slot.index}"), tf.control_dependencies(checked):
             if not slot.compressible:
                 slot.step.assign_add(1)
@@ -207,6 +218,7 @@ class ScaleCom(tf.Module, Compressor):
             return self._compress(slot, tensor)
 
     def decompress(self, tensor, ctx):
+        self._in_flight.clear()
         if ctx is None:
             return tensor
         slot, t, indices, dense, in_warmup, grad, memory_at_indices, exact = ctx
@@ -386,29 +398,67 @@ class ScaleCom(tf.Module, Compressor):
         slot.timing.scatter_nd_add([[TIMING_STEPS]], [seconds])
         slot.tally.assign_add([0, 1] if compressed else [1, 0])
 
-    def _check_every_variable_stepped(self):
-        """At variable #0's gradient, before its step counter moves (the op the rest of its compress
-        waits for; eagerly, it raises at once): InvalidArgumentError unless every
-        other variable's counter is at least variable #0's, i.e. every variable took a gradient in
-        every step before. One that never does means a gradient did not come through ``compress``
-        (Horovod sends a sparse ``IndexedSlices`` to its allgather, and ``None`` nowhere): gradients
-        are matched to variables by position, so those after it went to the wrong variables."""
-        first = self._slots[0].step.read_value()
-        behind = tf.reduce_min(tf.stack([s.step.read_value() for s in self._slots[1:]]))
-        return tf.debugging.assert_greater_equal(
-            behind, first, message=(
-                "ScaleCom: some variable took fewer gradients than variable #0, so a gradient did not "
-                "reach compress (a sparse IndexedSlices gradient: pass sparse_as_dense=True to "
-                "hvd.DistributedGradientTape; or a None gradient) and the gradients after it were "
-                "matched to the wrong variables"))
+    def _check_every_variable_stepped(self, graph):
+        """At variable #0's gradient, before any counter of the step moves: InvalidArgumentError
+        unless every other variable's counter is at least variable #0's, i.e. every variable took a
+        gradient in every step before. One that never does means a gradient did not come through
+        ``compress`` (Horovod sends a sparse ``IndexedSlices`` to its allgather, and ``None``
+        nowhere): gradients are matched to variables by position, so those after it went to the
+        wrong variables.
+
+        Eagerly it raises at once. Traced, it returns variable #0's counter once checked, built in
+        ``graph`` (the gradients' graph): Horovod compresses each gradient in a ``tf.cond`` branch
+        of its own, and every variable's compress captures this tensor (a data input, which TF keeps
+        when it inlines the branches), so a refused step changes no variable's state. ``None`` for a
+        single variable."""
+        if len(self._slots) == 1:
+            return None
+        with (graph.as_default() if graph is not None else contextlib.nullcontext()):
+            first = self._slots[0].step.read_value()
+            behind = tf.reduce_min(tf.stack([s.step.read_value() for s in self._slots[1:]]))
+            check = tf.debugging.assert_greater_equal(
+                behind, first, message=(
+                    "ScaleCom: some variable took fewer gradients than variable #0, so a gradient did "
+                    "not reach compress (a sparse IndexedSlices gradient: pass sparse_as_dense=True to "
+                    "hvd.DistributedGradientTape; or a None gradient) and the gradients after it were "
+                    "matched to the wrong variables"))
+            if graph is None:
+                return None
+            with tf.control_dependencies([check]):
+                return tf.identity(first)
+
+    def _check_one_dtype_per_group(self, slot, grad_dtype):
+        """ValueError when this tensor and one compressed before it, both waiting for the same op
+        (Horovod's grouped allreduce: ``groups=``), would travel in different dtypes because of
+        ``value_dtype``: compressed values in it, tensors below ``min_numel`` in their own."""
+        wire = (self._value_dtype or grad_dtype) if slot.compressible else grad_dtype
+        if self._in_flight:
+            other, other_wire = self._in_flight[0]
+            if other_wire != wire and other.grad_dtype == grad_dtype:
+                self._in_flight.clear()
+                value_dtype = self._value_dtype.name
+
+                def how(s, dtype):
+                    reason = (f"its values, value_dtype={value_dtype!r}" if s.compressible else
+                              f"dense: {s.numel} entries, below min_numel={self.config.min_numel}")
+                    return f"variable #{s.index} ({s.name!r}) travels as {dtype.name} ({reason})"
+
+                raise ValueError(
+                    f"ScaleCom: value_dtype={value_dtype!r} does not go with groups= (of hvd."
+                    f"DistributedGradientTape or hvd.DistributedOptimizer): Horovod reduces a group in one "
+                    f"op, whose tensors must share one dtype, but {how(other, other_wire)} and "
+                    f"{how(slot, wire)}. Pass groups=None, value_dtype=None, or a min_numel that "
+                    f"compresses every variable of a group.")
+        self._in_flight.append((slot, wire))
 
     def _slot_of(self, tensor):
         """The variable whose gradient ``tensor`` is: the next one in the current traced graph."""
-        graph = None if tf.executing_eagerly() else tensor.graph
+        graph = _graph_of(tensor)
         previous = self._cursor_graph() if self._cursor_graph is not None else None
         if graph is not previous or self._cursor >= len(self._slots):
             self._cursor_graph = None if graph is None else weakref.ref(graph)
             self._cursor = 0
+            self._in_flight.clear()
         slot = self._slots[self._cursor]
         if not tensor.dtype.is_floating:  # (before the cursor moves on)
             raise TypeError(f"ScaleCom compresses floating-point gradients; the gradient of "
@@ -471,6 +521,8 @@ class ScaleCom(tf.Module, Compressor):
 
     def stats(self, step=None):
         """Payload bytes and compute time of ``step`` on this rank (default: the last complete step).
+        The last ``TIMING_STEPS`` (8) steps are kept; an earlier one asked for is a ValueError
+        (``total`` counts every step; the default step never is one).
 
         Returns a dict with ``step``, ``index_bytes``, ``value_bytes``, ``dense_bytes``, ``sent_bytes``,
         ``uncompressed_bytes``, ``ratio`` (uncompressed / sent), ``compress_seconds``,
@@ -484,6 +536,9 @@ class ScaleCom(tf.Module, Compressor):
         if step is None:
             reduced = [d for d in done if d > 0]
             step = min(reduced) - 1 if reduced else 0
+        else:  # the newest step this object counted (since built or loaded), as PyTorch's TrafficMeter
+            counted = [d - 1 for s, d in zip(self._slots, done) if s.tally.numpy().any()]
+            step = check_kept_step(step, max(counted, default=None), TIMING_STEPS)
         this_step, total = StepTraffic(), StepTraffic()
         for slot, reduced_through in zip(self._slots, done):
             dense_steps, compressed_steps = (int(x) for x in slot.tally.numpy())
@@ -579,6 +634,12 @@ class ScaleCom(tf.Module, Compressor):
                 slot.ahead_step.assign(step)
         self._cursor_graph = None
         self._cursor = 0
+        self._in_flight.clear()
+
+
+def _graph_of(tensor):
+    """The graph ``tensor`` was traced in; ``None`` eagerly."""
+    return None if tf.executing_eagerly() else tensor.graph
 
 
 def _scaled(traffic, times):

@@ -46,10 +46,14 @@ def make_train_step(model, optimizer, loss, compression=None, *, root_rank=0, ji
                     **tape_options):
     """A function ``step(x, y, sample_weight=None) -> loss`` training ``model`` on this rank's batch.
 
-    Each call computes this rank's loss (plus ``model.losses``), reduces the gradients through
-    ``hvd.DistributedGradientTape(..., compression=compression, **tape_options)`` and applies them
-    with ``optimizer``. Before returning, ``make_train_step`` builds the optimizer and broadcasts the
-    model's and the optimizer's variables from ``root_rank``, so every rank starts alike.
+    Each call computes this rank's loss (plus ``model.losses``), reduces the gradients of
+    ``optimizer.scale_loss(loss)`` (as Keras's own train step: the scale of ``loss_scale_factor=`` or
+    of a ``LossScaleOptimizer``, which the optimizer divides out again; ScaleCom's memories are kept
+    in scaled units, not rescaled when a dynamic scale changes) through
+    ``hvd.DistributedGradientTape(..., compression=compression, **tape_options)``, applies them with
+    ``optimizer`` and returns the unscaled loss. Before returning, ``make_train_step`` builds the
+    optimizer and broadcasts the model's and the optimizer's variables from ``root_rank``, so every
+    rank starts alike.
 
     Args:
         model: a built Keras 3 model (TensorFlow backend).
@@ -85,6 +89,7 @@ def make_train_step(model, optimizer, loss, compression=None, *, root_rank=0, ji
         optimizer.build(trainable)
     hvd.broadcast_variables(gradient_sources(model.variables) + gradient_sources(optimizer.variables),
                             root_rank=root_rank)
+    scale_loss = getattr(optimizer, "scale_loss", lambda loss_value: loss_value)
 
     def step(x, y, sample_weight=None):
         with tf.GradientTape() as tape:
@@ -92,8 +97,9 @@ def make_train_step(model, optimizer, loss, compression=None, *, root_rank=0, ji
             loss_value = _mean_loss(loss_fn, y, prediction, sample_weight)
             if model.losses:
                 loss_value = loss_value + tf.add_n(model.losses)
+            scaled_loss = scale_loss(loss_value)
         tape = hvd.DistributedGradientTape(tape, compression=compression, **tape_options)
-        grads = tape.gradient(loss_value, sources)
+        grads = tape.gradient(scaled_loss, sources)
         optimizer.apply_gradients(zip(grads, trainable))
         return loss_value
 

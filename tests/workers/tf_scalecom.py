@@ -58,14 +58,18 @@ if mode == "keras":
     model = keras.Sequential([keras.Input((48,)), keras.layers.Dense(HIDDEN, activation="tanh"),
                               keras.layers.Dense(10)])
     compression = make_compression(model.trainable_variables)
-    optimizer = keras.optimizers.SGD(LR)
+
+    def sgd():  # "loss_scale_factor": make_train_step and fit scale the loss, the optimizer unscales
+        return keras.optimizers.SGD(LR, loss_scale_factor=opts.get("loss_scale_factor"))
+
+    optimizer = sgd()
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     train_step = make_train_step(model, optimizer, loss_fn, compression)
     # From step "eager_from" on, the same model, optimizer and ScaleCom train eagerly.
     eager_step = make_train_step(model, optimizer, loss_fn, compression, jit=False)
     weights = gradient_sources(model.trainable_variables)  # kernel, bias, kernel, bias: as NAMES
     # From step "fit_from" on, model.fit trains it, reducing through DistributedOptimizer.
-    model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(LR), compression),
+    model.compile(optimizer=DistributedOptimizer(sgd(), compression),
                   loss=loss_fn, jit_compile=False)
 else:
     tf.random.set_seed(0)

@@ -1,0 +1,79 @@
+"""One rank of a job where ScaleCom (TF) refuses steps through ``hvd.DistributedGradientTape``.
+
+argv: JSON options (unused), output directory. Writes ``rank<R>.npz`` with:
+
+* ``bypass/...``: four variables of one shape, the second one's gradient sparse (an
+  ``IndexedSlices``, which Horovod allgathers past ``compress``), so the third and fourth gradients
+  go to the second and third variables. Step 0 goes through; step 1 is refused. ``steps/<when>``,
+  ``tallies/<when>``, ``memories/<when>`` and ``stats/<when>`` are the state after step 0 and after
+  the refused step; ``error`` its message; ``after`` a Sum-allreduce of the rank run after it.
+* ``groups/error``: the ValueError of ``groups=1`` with fp16 values and a variable below min_numel.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+import horovod.tensorflow as hvd
+from hvd_scalecom.tensorflow import ScaleCom
+
+tf.config.threading.set_intra_op_parallelism_threads(1)
+out_dir = sys.argv[2]
+hvd.init()
+rank = hvd.rank()
+record = {}
+
+
+def state(compression, when):
+    record[f"bypass/steps/{when}"] = np.array([int(s.numpy()) for s in compression.steps])
+    record[f"bypass/tallies/{when}"] = np.array([s.tally.numpy() for s in compression._slots])
+    record[f"bypass/memories/{when}"] = np.stack([m.numpy() for m in compression.memories])
+    record[f"bypass/stats/{when}"] = np.array(json.dumps(compression.stats()))
+
+
+rng = np.random.default_rng(0)  # the same weights on every rank
+weights = [tf.Variable(rng.standard_normal([16, 100]), dtype=tf.float32) for _ in range(4)]
+compression = ScaleCom(weights, ratio=0.01, beta=0.5, min_numel=10)
+
+
+@tf.function
+def bypassing_step(scale):
+    with tf.GradientTape() as tape:
+        loss = sum(tf.reduce_sum(tf.gather(w, [0, 3]) if i == 1 else w * w * scale)
+                   for i, w in enumerate(weights))
+    return hvd.DistributedGradientTape(tape, compression=compression).gradient(loss, weights)
+
+
+bypassing_step(tf.constant(float(rank + 1)))
+state(compression, "first")
+try:
+    bypassing_step(tf.constant(float(rank + 3)))
+    record["bypass/error"] = np.array("")
+except tf.errors.InvalidArgumentError as error:
+    record["bypass/error"] = np.array(error.message)
+state(compression, "refused")
+record["bypass/after"] = hvd.allreduce(tf.constant([float(rank)]), op=hvd.Sum, name="after").numpy()
+
+small = [tf.Variable(tf.zeros([3000])), tf.Variable(tf.zeros([10]))]
+fp16_values = ScaleCom(small, ratio=0.01, min_numel=100, value_dtype="float16")
+
+
+@tf.function
+def grouped_step():
+    with tf.GradientTape() as tape:
+        loss = sum(tf.reduce_sum(w * w) for w in small)
+    return hvd.DistributedGradientTape(tape, compression=fp16_values, groups=1).gradient(loss, small)
+
+
+try:
+    grouped_step()
+    record["groups/error"] = np.array("")
+except (ValueError, TypeError) as error:
+    record["groups/error"] = np.array(f"{type(error).__name__}: {error}")
+
+np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **record)
+hvd.allreduce(tf.constant(0.0), name="worker_done")
+print(f"rank {rank} done", flush=True)
