@@ -11,20 +11,18 @@ which validate their settings through these classes too, so both paths accept an
 
 import dataclasses
 
-from hvd_scalecom.config import INDEX_DTYPES, INT32_INDEX_MAX_NUMEL, ScaleComConfig, check_int, check_real
+from hvd_scalecom.config import (INDEX_DTYPES, INT32_INDEX_MAX_NUMEL, INT64_LIMIT, ScaleComConfig, check_int,
+                                 check_real)
 
 QSPARSE_OPERATORS = ("top_k", "sign_top_k", "qsgd_top_k")
 MAX_SKETCH_COLUMNS = 2**31  # a count sketch's columns stay below it (its hashes: m c < 2**63)
-
-
-MAX_SEED = 2**63 - 1  # seeds torch's generators take as they are (int64)
 
 
 def check_seed(seed, argument="seed"):
     """``int(seed)``; TypeError unless an int, ValueError outside ``[0, 2**63)`` (checked before any
     state exists: a torch generator refuses larger ones only when it is seeded)."""
     seed = check_int(seed, argument, 0)
-    if seed > MAX_SEED:
+    if seed >= INT64_LIMIT:
         raise ValueError(f"{argument} must be below 2**63, got {seed}")
     return seed
 

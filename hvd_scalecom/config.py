@@ -26,7 +26,7 @@ VALUE_DTYPES = (None, "float32", "float16", "bfloat16")
 # float32) or these; the simulator takes all.
 HOROVOD_VALUE_DTYPES = tuple(d for d in VALUE_DTYPES if d != "bfloat16")
 INDEX_DTYPES = ("int64", "int32")
-STEP_LIMIT = 2**63  # step counters are int64 (TensorFlow's variables, saved states)
+INT64_LIMIT = 2**63  # step counters and generator seeds are int64: they stay below it
 INT32_INDEX_MAX_NUMEL = 2**31 - 1  # larger tensors' indices travel as int64 whatever index_dtype says
 
 
@@ -114,7 +114,7 @@ class ScaleComConfig:
             raise TypeError(f"warmup_steps must be an int, got {type(self.warmup_steps).__name__}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.warmup_steps >= STEP_LIMIT:
+        if self.warmup_steps >= INT64_LIMIT:
             raise ValueError(f"warmup_steps must be below 2**63 (step counters are int64), got "
                              f"{self.warmup_steps}")
         if not _is_int(self.min_numel):

@@ -533,15 +533,16 @@ class ScaleCom(tf.Module, Compressor):
         ``dense_bytes`` also counts the k zero values Horovod's allreduce carries.
         """
         done = [int(s.step.numpy()) for s in self._slots]
+        tallies = [s.tally.numpy() for s in self._slots]  # (dense, compressed) steps counted
         if step is None:
             reduced = [d for d in done if d > 0]
             step = min(reduced) - 1 if reduced else 0
         else:  # the newest step this object counted (since built or loaded), as PyTorch's TrafficMeter
-            counted = [d - 1 for s, d in zip(self._slots, done) if s.tally.numpy().any()]
+            counted = [d - 1 for tally, d in zip(tallies, done) if tally.any()]
             step = check_kept_step(step, max(counted, default=None), TIMING_STEPS)
         this_step, total = StepTraffic(), StepTraffic()
-        for slot, reduced_through in zip(self._slots, done):
-            dense_steps, compressed_steps = (int(x) for x in slot.tally.numpy())
+        for slot, reduced_through, tally in zip(self._slots, done, tallies):
+            dense_steps, compressed_steps = (int(x) for x in tally)
             timing = slot.timing.numpy()
             first = reduced_through - dense_steps - compressed_steps
             fresh_count, last_fresh = (int(x) for x in slot.fresh.numpy()) if slot.fresh is not None else (0, -1)
