@@ -91,6 +91,17 @@ class TrafficMeter:
     def record(self, step, **counts):
         """One tensor of ``step``: ``counts`` are ``StepTraffic`` fields to add (once per tensor and
         step, so kept cheap); TypeError, before anything is counted, for a name that is none."""
+        self._add(step, 1, counts)
+
+    def add(self, step, **counts):
+        """``counts`` of ``step`` that belong to no one tensor (a round the step's tensors share), as
+        :meth:`record` but without counting a tensor."""
+        self._add(step, 0, counts)
+
+    def add_time(self, step, seconds):
+        self._add(step, 0, {"compress_seconds": seconds})
+
+    def _add(self, step, tensors, counts):
         unknown = counts.keys() - _COUNTED
         if unknown:
             raise TypeError(f"TrafficMeter.record: {sorted(unknown)} are not StepTraffic fields")
@@ -100,13 +111,9 @@ class TrafficMeter:
             for old in [s for s in self._by_step if s < step - self._keep]:
                 del self._by_step[old]
         for target in (entry, self._total):
-            target.tensors += 1
+            target.tensors += tensors
             for name, value in counts.items():
                 setattr(target, name, getattr(target, name) + value)
-
-    def add_time(self, step, seconds):
-        self._by_step.setdefault(step, StepTraffic()).compress_seconds += seconds
-        self._total.compress_seconds += seconds
 
     def step(self, step, strict=True):
         """The counts of ``step`` (zeros for one that sent nothing or has not begun); ValueError for

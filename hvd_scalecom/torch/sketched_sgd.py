@@ -162,7 +162,7 @@ class SketchedSGD(Compressor):
         if len(r.compressed) == len(self._sketched):  # the step's last sketched tensor: round 1
             r.table = self._sketch.sketch(self._v)
             r.handle = hvd.allreduce_async_(r.table, name=SKETCH_NAME, op=hvd.Sum, **self._ps_kwargs())
-            value_bytes += (r.table.numel() + self.num_candidates) * self._v.element_size()
+            value_bytes += r.table.numel() * self._v.element_size()  # (round 2's candidates: once sent)
         self.traffic.record(t, value_bytes=value_bytes, uncompressed_bytes=dense_bytes,
                             compress_seconds=time.perf_counter() - start)
         return probe, (i, t, tensor.shape, tensor.dtype)
@@ -224,8 +224,8 @@ class SketchedSGD(Compressor):
         the other tensors, and of all during warm-up), ``sent_bytes``, ``uncompressed_bytes``,
         ``ratio``, ``compress_seconds``, ``index_wait_seconds`` (0), ``tensors``; ``wire_bytes``, what
         this rank sends in the ring allreduces (``2 (n - 1) / n * sent_bytes``); ``nonfinite_skips``,
-        the steps whose reduced sketch was not finite (all steps; their candidates, counted when the
-        sketch is sent, are not); ``total``: all steps.
+        the steps whose reduced sketch was not finite (all steps; they send no candidates); ``total``:
+        all steps.
         """
         explicit = step is not None  # (a default step is never refused)
         if step is None:
@@ -363,6 +363,7 @@ class SketchedSGD(Compressor):
         candidates = heavy_candidates(self._sketch, r.table, self.num_candidates)
         exact = hvd.allreduce(self._v[candidates], name=CANDIDATES_NAME, op=hvd.Sum,
                               **self._ps_kwargs())                               # sum_i v_i[candidates]
+        self.traffic.add(r.t, value_bytes=exact.numel() * exact.element_size())
         indices, sums = select_applied(candidates, exact, self.k)
         r.update = applied_update(indices, sums, self.numel, self._size(), dtype=self._v.dtype)
         zero_applied_(self._u, self._v, indices)
