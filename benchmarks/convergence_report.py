@@ -245,7 +245,7 @@ def residue_stats(r):
     clean = finite(values)
     if not clean:
         return None
-    bounded = len(clean) == len([v for v in values if v is not None])
+    bounded = len(clean) == len([v for v in values if v is not None])  # no recorded value non-finite
     quarter = max(1, len(clean) // 4)
     return {"max": max(clean), "final": clean[-1], "bounded": bounded,
             "growth": statistics.fmean(clean[-quarter:]) / max(1e-12, statistics.fmean(clean[-2 * quarter:-quarter]

@@ -249,4 +249,6 @@ def _mean_after(history, key, skip):
 
 
 def _rounded(x, digits=5):
-    return None if x is None or not math.isfinite(x) else float(f"{x:.{digits}g}")
+    """``x`` to ``digits`` significant digits; None where nothing was recorded, non-finite kept as it is
+    (a residue that overflowed is not one that was not measured)."""
+    return x if x is None or not math.isfinite(x) else float(f"{x:.{digits}g}")

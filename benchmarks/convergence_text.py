@@ -111,7 +111,7 @@ def _peak(results, task, scheme, n, variant=None):
     group = "sensitivity" if variant else "main"
     r = rep.one(results, group=group, variant=variant, task=task, scheme=scheme, n=n)
     s = rep.residue_stats(r) if r else None
-    values = [v for v in r["residue_norm"] if v is not None] if r else []
+    values = rep.finite(r["residue_norm"]) if r else []  # (the peak before any overflow)
     return max(values) if values else float("nan"), (s or {}).get("final", float("nan"))
 
 

@@ -35,3 +35,18 @@ def test_convergence_smoke(tmp_path):
     (tmp_path / "convergence.md").unlink()
     run("--report-only", "--out-dir", str(tmp_path))
     assert (tmp_path / "convergence.md").read_text() == text
+
+
+def test_a_residue_that_overflowed_is_reported_not_finite():
+    """A non-finite residue norm is kept in the JSON (None means only 'not recorded'), so the tables
+    say "not finite" instead of the peak and last value before the overflow."""
+    from benchmarks.convergence_report import residue_stats
+    from benchmarks.convergence_schemes import _rounded
+
+    history = [None, 1.234567, 7.26e13, float("inf"), float("nan")]
+    record = json.loads(json.dumps({"residue_norm": [_rounded(v) for v in history]}))
+    assert record["residue_norm"][:3] == [None, 1.2346, 7.26e13]
+    assert record["residue_norm"][3] == float("inf") and record["residue_norm"][4] != record["residue_norm"][4]
+    assert residue_stats(record)["bounded"] is False
+    finite = residue_stats({"residue_norm": [None, 1.0, 2.0, 2.0, 4.0]})
+    assert finite["bounded"] is True and (finite["max"], finite["final"], finite["growth"]) == (4.0, 4.0, 2.0)
