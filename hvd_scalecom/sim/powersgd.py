@@ -7,8 +7,11 @@ Per matrix-shaped gradient (viewed as ``shape[0] x prod(shape[1:])``), with erro
 ``Q`` with a column of zeros (all-zero gradients: a zero-initialised layer's first step, a parameter
 without a gradient) or a non-finite entry is not kept, since ``M Q`` would then stay zero in that column
 at every later step: the next step starts from the previous ``Q`` again.
+A step whose ``P_hat Q^T`` is not finite (a worker's non-finite gradient reaches it through the
+allreduces) is applied, and leaves every ``e_i`` as it was (counted in ``nonfinite_skips``).
 Vectors (biases), tensors below ``min_numel`` and matrices where rank r would not compress
-(``(rows + cols) r >= rows cols``) are allreduced densely. (PyTorch's PowerSGD hook asks more by
+(the factors' bytes, fp32 or wider, at least the dense gradient's: ``(rows + cols) r 4 >= rows cols 2``
+for fp16) are allreduced densely. (PyTorch's PowerSGD hook asks more by
 default: its ``min_compression_rate=2`` wants ``(rows + cols) r`` at most half of ``rows cols``.)
 """
 
@@ -16,7 +19,8 @@ import torch
 
 from hvd_scalecom.config import ScaleComConfig, check_int
 from hvd_scalecom.sim.base import Scheme, mean_over_workers
-from hvd_scalecom.sim.traffic import dtype_name
+from hvd_scalecom.sim.traffic import dtype_name, itemsize
+from hvd_scalecom.torch import clt_k
 from hvd_scalecom.torch.powersgd import approximation, as_matrix, left_factor, orthogonalise_, right_factor
 
 
@@ -25,6 +29,7 @@ class PowerSGD(Scheme):
     for float64 gradients)."""
 
     name = "powersgd"
+    nonfinite_skips = 0  # compressed tensor-steps whose error update a non-finite result skipped
 
     def __init__(self, rank=2, warmup_steps=0, min_numel=1024, *, seed=0):
         super().__init__(ScaleComConfig(ratio=1.0, warmup_steps=warmup_steps, min_numel=min_numel))
@@ -34,7 +39,8 @@ class PowerSGD(Scheme):
         if len(spec.shape) < 2:
             return False
         rows, cols = as_matrix(spec.shape)
-        return (rows + cols) * self.rank < rows * cols
+        factors = (rows + cols) * self.rank * itemsize(clt_k.memory_dtype(spec.dtype))
+        return factors < rows * cols * itemsize(spec.dtype)
 
     def residue_keys(self):
         return ("error",)
@@ -61,7 +67,10 @@ class PowerSGD(Scheme):
         orthogonalise_(P)
         Q = mean_over_workers(right_factor(M, P))                             # allreduce 2
         applied = approximation(P, Q)
-        error.copy_((M - applied).view(n, -1))                                # e_i = M_i - P_hat Q^T
+        if clt_k.all_finite(applied):
+            error.copy_((M - applied).view(n, -1))                            # e_i = M_i - P_hat Q^T
+        else:
+            self.nonfinite_skips += 1
         if bool(torch.isfinite(Q).all()) and bool(Q.abs().amax(dim=0).gt(0).all()):
             entry["q"] = Q                                                    # warm start
         record.add("allreduce", "value", spec.name, rows * self.rank, dtype_name(error.dtype))

@@ -61,29 +61,45 @@ class FP16(Dense):
         super().__init__(wire_dtype="float16")
 
 
-class _SharedIndices(Scheme):
-    """Schemes whose workers all use the same indices ``I``: the values add up in an allreduce."""
+class _ErrorFeedback(Scheme):
+    """Schemes that keep what they did not send in clt_k's memory (Algorithm 1's steps 3-4). As in
+    the Horovod compressor, a worker whose gradient is not finite (anywhere) sends NaN, and a
+    non-finite reduction (that, or an overflow, e.g. of fp16 values) leaves every worker's memory as
+    it was (counted in ``nonfinite_skips``)."""
 
     beta = 1.0
-    nonfinite_skips = 0  # compressed tensor-steps whose memory update a non-finite mean skipped
+    nonfinite_skips = 0  # compressed tensor-steps whose memory update a non-finite reduction skipped
+
+    def take_sent(self, M, G, flat):
+        """Step 3 for all workers: ``(m[I], p[I], sent)``, ``sent`` the ``(n, k)`` values as they
+        travel (the value dtype), NaN on a worker whose gradient is not finite."""
+        memory_at, values = clt_k.take(M.view(-1), G, flat)
+        sent = values.to(self.sent_dtype(G)).view(G.shape[0], -1)
+        if not clt_k.all_finite(G):
+            sent = sent.masked_fill(~torch.isfinite(G).all(dim=1, keepdim=True), float("nan"))
+        return memory_at, values, sent
+
+    def filter_if_finite(self, M, G, flat, memory_at, values, sent, reduced):
+        """Step 4 for all workers, in place, unless ``reduced`` (what every worker received) is not
+        finite; ``sent`` as :meth:`take_sent` gave it (flat or not)."""
+        if clt_k.all_finite(reduced):
+            clt_k.filter_memory_(M.view(-1), G, flat, memory_at, values, sent.reshape(-1), self.beta)
+        else:
+            self.nonfinite_skips += 1
+
+
+class _SharedIndices(_ErrorFeedback):
+    """Schemes whose workers all use the same indices ``I``: the values add up in an allreduce."""
 
     def filtered_update(self, spec, G, indices):
-        """Steps 3-5 of Algorithm 1 for all workers: update ``scatter(I, mean v)``, memory filter in
-        place. As in the Horovod compressor, a worker whose gradient is not finite sends NaN, and a
-        non-finite mean (that, or an overflow, e.g. of fp16 values) leaves every worker's memory as
-        it was (counted in ``nonfinite_skips``)."""
+        """Steps 3-5 of Algorithm 1 for all workers: update ``scatter(I, mean v)``, the memory filter
+        in place unless the mean is not finite (:class:`_ErrorFeedback`)."""
         n, numel = G.shape
         M = self.memory(spec, G)
         flat = flat_indices(indices, n, numel)
-        memory_at, values = clt_k.take(M.view(-1), G, flat)
-        sent = values.to(self.sent_dtype(G)).view(n, -1)
-        if not clt_k.all_finite(G):
-            sent = sent.masked_fill(~torch.isfinite(G).all(dim=1, keepdim=True), float("nan"))
+        memory_at, values, sent = self.take_sent(M, G, flat)
         reduced = mean_over_workers(sent)
-        if clt_k.all_finite(reduced):
-            clt_k.filter_memory_(M.view(-1), G, flat, memory_at, values, sent.view(-1), self.beta)
-        else:
-            self.nonfinite_skips += 1
+        self.filter_if_finite(M, G, flat, memory_at, values, sent, reduced)
         return clt_k.scatter_dense(reduced, indices, numel, G.dtype)
 
 
@@ -220,10 +236,11 @@ class RandomK(_SharedIndices):
         return {"config": self.config.as_dict(), "seed": self.seed}
 
 
-class LocalTopK(Scheme):
+class LocalTopK(_ErrorFeedback):
     """Local top-k with error feedback: every worker sends its own ``top_k(|p_i|)`` as (index, value)
     pairs by allgather; each worker sums the n sets. Traffic per worker grows linearly with n.
-    ``beta`` < 1 applies ScaleCom's low-pass filter to this baseline's memory too.
+    ``beta`` < 1 applies ScaleCom's low-pass filter to this baseline's memory too. Non-finite
+    gradients and sums as in :class:`_ErrorFeedback` (every worker receives the same n sets).
     """
 
     name = "local_topk"
@@ -233,24 +250,24 @@ class LocalTopK(Scheme):
         super().__init__(ScaleComConfig(ratio=ratio, beta=beta, warmup_steps=warmup_steps,
                                         min_numel=min_numel, value_dtype=value_dtype,
                                         index_dtype=index_dtype))
+        self.beta = self.config.beta
 
     def compress(self, spec, G, t, record, diagnostics):
         n, numel = G.shape
         k = self.config.num_selected(numel)
         M = self.memory(spec, G)
-        P = clt_k.error_compensated(M.view(-1), G).view(n, numel)
-        indices = select_top_k_rows(P, k)                                         # I_i = top_k |p_i|
-        del P
-        values = clt_k.take_and_filter_memory_(M.view(-1), G, flat_indices(indices, n, numel),
-                                                self.config.beta, sent_dtype=self.sent_dtype(G))
+        indices = select_top_k_rows(clt_k.error_compensated(M.view(-1), G).view(n, numel), k)  # I_i = top_k |p_i|
+        flat = flat_indices(indices, n, numel)
+        memory_at, values, sent = self.take_sent(M, G, flat)
         record.add("allgather", "index", spec.name, k, self.index_dtype(numel))
-        record.add("allgather", "value", spec.name, k, dtype_name(values.dtype))
-        summed = torch.zeros(numel, dtype=clt_k.memory_dtype(values.dtype), device=G.device)
-        summed.index_add_(0, indices.reshape(-1), values.to(summed.dtype))
+        record.add("allgather", "value", spec.name, k, dtype_name(sent.dtype))
+        summed = torch.zeros(numel, dtype=clt_k.memory_dtype(sent.dtype), device=G.device)
+        summed.index_add_(0, indices.reshape(-1), sent.reshape(-1).to(summed.dtype))
+        self.filter_if_finite(M, G, flat, memory_at, values, sent, summed)
         return (summed / n).to(G.dtype)
 
 
-class GTopK(Scheme):
+class GTopK(_ErrorFeedback):
     """gTop-k S-SGD (Shi et al., arXiv:1901.04359, Alg. 3) with exact residuals.
 
     Every worker takes its local top-k of ``p_i = m_i + g_i``; :func:`~hvd_scalecom.torch.topk.gtopk_merge`
@@ -258,7 +275,9 @@ class GTopK(Scheme):
     sends k indices and k values to its partner) into the global k-set; every worker applies its values
     divided by n. Residuals keep everything that did not reach the final sum: ``m_i = p_i`` except on
     the entries of worker i that survived every merge (the memory update is clt_k's with those indices
-    and ``beta = 1``). Needs a power-of-two number of workers.
+    and ``beta = 1``). Needs a power-of-two number of workers. A non-finite value sent (a worker's
+    non-finite gradient, an overflow) makes the merged sums NaN and skips every memory update, as in
+    :class:`_ErrorFeedback` (a merge could otherwise drop a NaN: the flag travels with the sums).
     """
 
     name = "gtopk"
@@ -277,18 +296,18 @@ class GTopK(Scheme):
         n, numel = G.shape
         k = self.config.num_selected(numel)
         M = self.memory(spec, G)
-        P = clt_k.error_compensated(M.view(-1), G).view(n, numel)
-        local = select_top_k_rows(P, k)
-        sent = self.sent_dtype(G)
-        values = P.gather(1, local).to(sent).to(P.dtype)   # what travels, widened for the sums
-        del P
-        indices, summed, contributed = gtopk_merge(local, values, numel)
-        clt_k.take_and_filter_memory_(M.view(-1), G, flat_indices(local, n, numel)[contributed.reshape(-1)],
-                                      1.0, sent_dtype=sent)
+        local = select_top_k_rows(clt_k.error_compensated(M.view(-1), G).view(n, numel), k)
+        flat = flat_indices(local, n, numel)
+        memory_at, values, sent = self.take_sent(M, G, flat)
+        indices, summed, contributed = gtopk_merge(local, sent.to(values.dtype), numel)  # widened for the sums
+        if not clt_k.all_finite(sent):
+            summed.fill_(float("nan"))
+        kept = contributed.reshape(-1)
+        self.filter_if_finite(M, G, flat[kept], memory_at[kept], values[kept], sent.reshape(-1)[kept], summed)
         rounds = int(math.log2(n))
         if rounds:
             record.add("exchange", "index", spec.name, k, self.index_dtype(numel), rounds=rounds)
-            record.add("exchange", "value", spec.name, k, dtype_name(sent), rounds=rounds)
+            record.add("exchange", "value", spec.name, k, dtype_name(sent.dtype), rounds=rounds)
         if self.diagnose:
             diagnostics.setdefault("contributed_by_tensor", {})[spec.name] = float(contributed.float().mean())
-        return clt_k.scatter_dense((summed / n).to(sent), indices, numel, G.dtype)
+        return clt_k.scatter_dense((summed / n).to(sent.dtype), indices, numel, G.dtype)

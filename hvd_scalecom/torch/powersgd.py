@@ -29,12 +29,16 @@ def left_factor(M, Q):
     return torch.matmul(M, Q)
 
 
-def orthogonalise_(P, eps=1e-8):
-    """Step 2 in place: Gram-Schmidt on the columns of ``P`` (``(..., rows, r)``), loop over r only."""
+def orthogonalise_(P):
+    """Step 2 in place: Gram-Schmidt on the columns of ``P`` (``(..., rows, r)``), loop over r only.
+    A column is divided by its own norm, with no epsilon added: the authors' code adds 1e-8, which
+    makes the result depend on the gradients' scale (``P`` grows as the square of ``M`` under the
+    warm start, so for entries near 1e-5 the 1e-8 dominates); a zero column stays zero."""
     r = P.shape[-1]
     for i in range(r):
         column = P[..., :, i:i + 1]
-        column.div_(column.norm(dim=-2, keepdim=True) + eps)
+        norm = column.norm(dim=-2, keepdim=True)
+        column.div_(torch.where(norm > 0, norm, torch.ones_like(norm)))
         if i + 1 < r:
             rest = P[..., :, i + 1:]
             rest.sub_(column * (column * rest).sum(dim=-2, keepdim=True))
