@@ -11,6 +11,10 @@ import hashlib
 import json
 
 
+STEPS_HINT = ("(steps lists the parameters' distinct step counters, which choose the leaders: restore every "
+              "rank from a state of the same step.)")
+
+
 def digest(value):
     """A short digest of a JSON-able ``value``."""
     return hashlib.sha256(json.dumps(value).encode()).hexdigest()[:16]

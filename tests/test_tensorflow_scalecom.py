@@ -718,6 +718,7 @@ AGREEMENT_CASES = {
         {"label": "shapes", "per_rank": {"1": {"hidden": 65}}},
         {"label": "beta", "per_rank": {"0": {"beta": 0.25}}, "eager": True},
         {"label": "prefix", "per_rank": {"0": {"extra_scalecom": True}}},  # one more ScaleCom built
+        {"label": "steps", "per_rank": {"1": {"skew_steps": True}}},  # a state of another step restored
         {"label": "agree", "steps": 2}],
     3: [{"label": "beta", "per_rank": {"2": {"beta": 0.25}}},
         {"label": "shapes", "per_rank": {"0": {"hidden": 65}}, "eager": True},
@@ -727,7 +728,8 @@ AGREEMENT_CASES = {
 EXPECTED_DIFFERENCE = {"ratio": {2: "ratio", 3: "index_exchange, ratio"},
                        "beta": {2: "beta", 3: "beta"},
                        "shapes": {2: "variable_digest", 3: "variable_digest"},
-                       "prefix": {2: "collective_prefix"}}
+                       "prefix": {2: "collective_prefix"},
+                       "steps": {2: "steps"}}
 
 
 @pytest.mark.parametrize("size", [2, 3])
@@ -750,13 +752,15 @@ def test_ranks_that_disagree_all_get_one_clear_error(horovod_job, size):
             message
         for rank, overrides in case["per_rank"].items():
             for key, value in overrides.items():
-                if key not in ("hidden", "extra_scalecom"):
+                if key not in ("hidden", "extra_scalecom", "skew_steps"):
                     assert f"rank {rank}: " in message and f"{key}={value!r}" in message, message
         if label == "shapes":
             assert "covers the number, order, shapes and dtypes" in message
         elif label == "prefix":  # (the ranks would otherwise wait for collectives of different names)
             assert "build the same ScaleCom objects, in the same order, on every rank" in message
             assert "variable_digest" not in message
+        elif label == "steps":
+            assert "rank 0: steps=[0]; rank 1: steps=[1]." in message and "from a state of the same step" in message
         else:
             assert "variable_digest" not in message
     # The agreeing case trains, and its updates are the reference's.

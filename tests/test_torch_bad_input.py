@@ -64,6 +64,7 @@ def test_a_process_set_given_to_the_optimizer_alone_ends_with_a_clear_error(horo
     (3, {"2": {"leader": "staggered"}}, "leader"),
     (3, {"0": {"min_numel": 100}, "2": {"beta": 0.25}}, "beta, min_numel"),
     (3, {"1": {"drop_last_param": True}}, "parameter_digest, parameters"),
+    (2, {"1": {"skew_steps_at": 0}}, "steps"),  # a state of another step, loaded before the first
 ])
 def test_ranks_that_disagree_all_get_one_clear_error(horovod_job, size, per_rank, differing):
     from hvd_scalecom.launch import HorovodRunError
@@ -73,6 +74,22 @@ def test_ranks_that_disagree_all_get_one_clear_error(horovod_job, size, per_rank
     for rank in range(size):
         section = report.split(f"----- rank {rank} -----", 1)[1].split("-----", 1)[0]
         assert f"ScaleCom is configured differently on different ranks ({differing} differ" in section
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_step_counters_that_part_after_the_first_step_stop_every_rank_with_one_error(horovod_job, size):
+    """Rank 1 loads a state one step ahead after step 0 (past the configuration check): no rank then
+    leads step 1's first compressed tensor in the others' eyes, the index allgather delivers no
+    indices, and every rank raises the same ValueError (before, each trained on with zero updates,
+    and ranks whose counters made two leaders applied different indices, silently)."""
+    from hvd_scalecom.launch import HorovodRunError
+    with pytest.raises(HorovodRunError) as failure:
+        horovod_job("torch_scalecom.py", {"steps": 3, "per_rank": {"1": {"skew_steps_at": 1}}}, np=size, timeout=120)
+    report = str(failure.value)
+    for rank in range(size):
+        section = report.split(f"----- rank {rank} -----", 1)[1].split("-----", 1)[0]
+        assert re.search(r"ValueError: ScaleCom: the index exchange of '[\w.]+' delivered 0 indices, not k = \d+: "
+                         r"the ranks disagree on this step's leader", section), section[-2000:]
 
 
 def one_rank_scalecom(numel, dtype=torch.float32, **kwargs):

@@ -492,6 +492,7 @@ class ScaleCom(tf.Module, Compressor):
                    "variable_digest": agreement.digest([[s.dtype.name, list(s.shape)]
                                                         for s in self._slots])}
         with tf.init_scope():
+            summary["steps"] = sorted({int(s.step.numpy()) for s in self._slots})  # (eager here: as restored)
             local = tf.constant(np.frombuffer(agreement.encode(summary), np.uint8))
             sizes = hvd.allgather(tf.constant([int(local.shape[0])], tf.int32),
                                   name="scalecom_agreement_sizes", ignore_name_scope=True,
@@ -503,7 +504,8 @@ class ScaleCom(tf.Module, Compressor):
             "collective_prefix": "(the n-th ScaleCom a process builds names its collectives scalecom<n>: "
                                  "build the same ScaleCom objects, in the same order, on every rank.)",
             "variable_digest": "(variable_digest covers the number, order, shapes and dtypes of the "
-                               "variables ScaleCom was built with.)"})
+                               "variables ScaleCom was built with.)",
+            "steps": agreement.STEPS_HINT})
 
     # -- checks for helpers -----------------------------------------------------------------------
 

@@ -48,7 +48,7 @@ import torch
 import horovod.torch as hvd
 from horovod.torch.compression import Compressor
 
-from hvd_scalecom.agreement import shapes_digest
+from hvd_scalecom.agreement import STEPS_HINT, shapes_digest
 from hvd_scalecom.config import HOROVOD_VALUE_DTYPES, INDEX_DTYPES, ScaleComConfig, check_dtype_name
 from hvd_scalecom.state import check_next_indices, checked_params
 from hvd_scalecom.torch import clt_k
@@ -268,7 +268,7 @@ class ScaleCom(Compressor):
             return tensor.to(ctx)
         start = time.perf_counter()
         slot, t, indices, grad, taken, sending, advanced, version, original = ctx
-        self._synchronize(sending, slot)  # long done: every rank received it before reducing
+        self._check_received(self._synchronize(sending, slot), slot)  # long done: every rank has it
         if version is not None and grad._version != version:
             # Between its hook and synchronize() a gradient is in flight, as Horovod's own in-place
             # allreduce has it; ScaleCom may have written the new memory over it (large CPU tensors).
@@ -335,7 +335,7 @@ class ScaleCom(Compressor):
                      "scale": s.scale}
             if self._selected_ahead(s):
                 t, handle, indices = s.posted
-                received = self._synchronize(handle, s)
+                received = self._check_received(self._synchronize(handle, s), s)
                 indices = indices if received is None else received
                 s.posted = (t, None, indices)
                 entry["next_indices"] = (t, indices.clone())
@@ -409,11 +409,13 @@ class ScaleCom(Compressor):
             return  # compress() called outside a Horovod job (nothing to agree with)
         named_shapes = [(slot.name, tuple(slot.param.shape)) for slot in self._slots]
         summary = {**self.config.as_dict(), "index_exchange": self.index_exchange, "parameters": len(named_shapes),
-                   "parameter_digest": shapes_digest(named_shapes)}
+                   "parameter_digest": shapes_digest(named_shapes),
+                   "steps": sorted({slot.step for slot in self._slots})}
         self._agreed = True
         check_agreement("ScaleCom", summary, self._process_set,
                         {"parameter_digest": "(parameter_digest covers the names and shapes of "
-                                             "named_parameters.)"}, stall=stall_times())  # (timeout= is for indices)
+                                             "named_parameters.)",
+                         "steps": STEPS_HINT}, stall=stall_times())  # (timeout= is for indices)
 
     def _index_dtype(self, numel):
         return _TORCH_DTYPES[self.config.index_dtype_for(numel)]
@@ -548,8 +550,20 @@ class ScaleCom(Compressor):
             self._post(slot, t, rank, size)  # not reduced when the step's posts went out
         _, handle, indices = slot.posted
         slot.posted = None
-        received = self._synchronize(handle, slot)
+        received = self._check_received(self._synchronize(handle, slot), slot)
         return indices if received is None else received
+
+    def _check_received(self, received, slot):
+        """``received`` (None, or the indices an exchange delivered), unless it does not hold k
+        indices: then the ranks disagree on the step's leader (an allgather gives 0 where no rank
+        led, 2k where two did), and every rank, seeing the same count, raises the same ValueError."""
+        k = self.config.num_selected(slot.param.numel())
+        if received is not None and received.numel() != k:
+            raise ValueError(
+                f"ScaleCom: the index exchange of {slot.name!r} delivered {received.numel()} indices, not "
+                f"k = {k}: the ranks disagree on this step's leader, so their step counters differ (restore "
+                f"every rank from a state_dict() of the same step)")
+        return received
 
     def _synchronize(self, handle, slot):
         """The leader's indices once their exchange completes (:func:`hvd_scalecom.torch.common.wait`):

@@ -1,7 +1,7 @@
 """One rank of a job where ranks may build ScaleCom (TF) differently, case after case.
 
 argv: JSON options, output directory. ``opts["cases"]``: a list of ``{"label", "per_rank": {rank:
-{ScaleCom argument overrides, "hidden": width, or "extra_scalecom": True}}, "eager": bool, "steps": n}``. Each case builds
+{ScaleCom argument overrides, "hidden": width, "extra_scalecom": True or "skew_steps": True}}, "eager": bool, "steps": n}``. Each case builds
 new variables and a new ScaleCom and trains ``steps`` steps through ``hvd.DistributedGradientTape``
 (a tf.function step unless ``eager``). Writes ``rank<R>.npz`` with ``<label>/error`` (the ValueError
 text, empty when the case trained) and, per step t and variable name, ``<label>/raw/<t>/<name>``
@@ -35,6 +35,7 @@ def run_case(index, case, record):
     # "extra_scalecom": this rank builds one more ScaleCom first, which renames its collectives
     # (scalecom<n>); the other ranks build theirs after the case, so that later cases agree again.
     extra = args.pop("extra_scalecom", False)
+    skew = args.pop("skew_steps", False)  # this rank restores a state one step ahead before the first
     extra_elsewhere = any(o.get("extra_scalecom") for o in case.get("per_rank", {}).values()) and not extra
     if extra:
         ScaleCom([tf.Variable(tf.zeros([10]))], min_numel=1)
@@ -42,6 +43,11 @@ def run_case(index, case, record):
     weights = [tf.Variable(0.2 * gen.randn(*s).astype(np.float32))
                for s in [(48, hidden), (hidden,), (hidden, 10), (10,)]]
     compression = ScaleCom(weights, **args)
+    if skew:
+        state = compression.state_dict()
+        for entry in state["params"].values():
+            entry["step"] += 1
+        compression.load_state_dict(state)
 
     def step(x, y):
         with tf.GradientTape() as tape:

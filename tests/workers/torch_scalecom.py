@@ -5,6 +5,8 @@ argv: JSON options, output directory. Writes ``rank<R>.npz`` with, per step t an
 (the gradient the optimizer applied), ``final/<name>`` (weights) and the compressor's ``stats``;
 with ``rollback``, ``first_attempt/<t>/<name>`` (what a step applied before it ran again); with
 ``commit_every_step``, ``next_indices/<t>/<name>`` ((step, *sorted indices) that state_dict() held).
+``skew_steps_at`` (given to one rank through ``per_rank``): at the top of that step, that rank's step
+counters move one ahead, through its own state_dict() and load_state_dict().
 """
 
 import copy
@@ -185,6 +187,11 @@ def commit(t):
 
 
 for t in schedule:
+    if opts.get("skew_steps_at") == t:  # this rank's step counters jump by one (a state of another step)
+        skewed = compression.state_dict()
+        for entry in skewed["params"].values():
+            entry["step"] += 1
+        compression.load_state_dict(skewed)
     if rollback and t == rollback["to"] and snapshot is None:
         snapshot = copy.deepcopy((compression.state_dict(), model.state_dict(), optimizer.state_dict()))
     raw = [torch.zeros_like(p) for p in params]
