@@ -1,6 +1,6 @@
 """Framework-neutral byte accounting: what each collective puts on the wire, and per-step totals.
 
-Per worker per step (``../docs/traffic.md`` states the model):
+Per worker per step (the model every byte count of this project uses):
 
 * ring allreduce of B bytes: each worker sends ``2 (n - 1) / n * B``;
 * broadcast of B bytes (pipelined chain): each worker sends ``(n - 1) / n * B`` on average, the root

@@ -6,6 +6,7 @@ one process, and real membership changes under ``horovodrun --min-np/--max-np
 import glob
 import json
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -39,6 +40,18 @@ def test_importing_registers_the_handler_once():
     assert handlers.count(elastic.ScaleComStateHandler) == 1
     assert handlers[0] is elastic.ScaleComStateHandler
     assert torch.optim.Optimizer in [t for t, _ in get_handler_registry()]  # Horovod's own kept
+
+
+def test_the_handler_is_registered_without_importing_the_elastic_module():
+    """A fresh process that only imports ScaleCom: TorchState(compression=...) must still find the
+    handler (without it, Horovod pickled the compressor at the first sync and failed at a later one)."""
+    code = ("from hvd_scalecom.torch import ScaleCom\n"
+            "from horovod.torch.elastic.state import get_handler_registry\n"
+            "print([h.__name__ for t, h in get_handler_registry() if t is ScaleCom])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['ScaleComStateHandler']"
 
 
 def test_torch_state_snapshots_restores_and_resyncs_locally_held_state(monkeypatch):

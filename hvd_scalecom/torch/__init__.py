@@ -3,9 +3,9 @@
 The compressor (and so Horovod) is imported on first use, so that the equations in
 :mod:`hvd_scalecom.torch.clt_k` serve the simulator without Horovod.
 
-Elastic Horovod: ``import hvd_scalecom.torch.elastic`` registers the state handler that lets
-``hvd.elastic.TorchState(..., compression=scalecom)`` carry ScaleCom's step counters and residue
-memories across membership changes (loaded only on that import or on first use of the attribute).
+Elastic Horovod: :mod:`hvd_scalecom.torch.elastic`, imported with ScaleCom, registers the state
+handler that lets ``hvd.elastic.TorchState(..., compression=scalecom)`` carry ScaleCom's step
+counters and residue memories across membership changes.
 """
 
 __all__ = ["ScaleCom", "SketchedSGD", "QsparseLocalSGD", "log_stats", "elastic"]

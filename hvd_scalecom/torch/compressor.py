@@ -580,3 +580,9 @@ class ScaleCom(Compressor):
     def _not_yet_reduced(self, index):
         reduced = min(slot.step for slot in self._slots)
         return self._slots[index].step == reduced
+
+
+# Elastic Horovod: hvd.elastic.TorchState(..., compression=scalecom) takes ScaleCom's own state handler
+# whether or not hvd_scalecom.torch.elastic was imported (Horovod would otherwise pickle the compressor
+# into every sync, and keep neither its memories nor its step counters).
+import hvd_scalecom.torch.elastic  # noqa: E402,F401  (registers the handler; needs ScaleCom above)

@@ -1,8 +1,7 @@
-"""Elastic Horovod with ScaleCom: ``import hvd_scalecom.torch.elastic``, then hand the compressor to
-Horovod's elastic state like the model and the optimizer::
+"""Elastic Horovod with ScaleCom: hand the compressor to Horovod's elastic state like the model and
+the optimizer (importing ScaleCom imports this module, which registers ScaleComStateHandler)::
 
     import horovod.torch as hvd
-    import hvd_scalecom.torch.elastic  # registers ScaleComStateHandler with Horovod
     from hvd_scalecom.torch import ScaleCom
 
     compression = ScaleCom(model.named_parameters(), ratio=0.01)
@@ -82,7 +81,8 @@ class ScaleComStateHandler(StateHandler):
 
 def register():
     """Put :class:`ScaleComStateHandler` first in Horovod's torch handler registry (once), so that
-    ``hvd.elastic.TorchState(..., compression=scalecom)`` uses it. Called on import of this module."""
+    ``hvd.elastic.TorchState(..., compression=scalecom)`` uses it. Called on import of this module,
+    which importing :class:`~hvd_scalecom.torch.ScaleCom` does."""
     registry = list(get_handler_registry())
     if any(handler is ScaleComStateHandler for _, handler in registry):
         return

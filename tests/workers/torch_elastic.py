@@ -28,7 +28,6 @@ import torch
 
 import horovod.torch as hvd
 from horovod.common.exceptions import HorovodInternalError
-import hvd_scalecom.torch.elastic  # noqa: F401  registers the ScaleCom state handler
 from hvd_scalecom.torch import ScaleCom, clt_k, compressor
 from hvd_scalecom.torch.common import tensors_digest
 
