@@ -87,8 +87,9 @@ QSPARSE_LOCAL_STEPS = 8
 SKETCH_ROWS, SKETCH_CANDIDATES = 5, 2  # FetchSGD's r = 5, p2 = 2, and columns c = 10 k (its ratio)
 
 
-def build(key, recipe, n, knob=None):
-    """The scheme ``key`` under ``recipe``; ``knob`` is the matched parameter of the "bytes" schemes."""
+def build(key, recipe, n, knob=None, local_steps=None):
+    """The scheme ``key`` under ``recipe``; ``knob`` is the matched parameter of the "bytes" schemes;
+    ``local_steps``: Qsparse's H, if not ``QSPARSE_LOCAL_STEPS``."""
     common = {"warmup_steps": recipe.compression_warmup, "min_numel": recipe.min_numel}
     r = recipe.ratio
     if key == "dense":
@@ -119,7 +120,8 @@ def build(key, recipe, n, knob=None):
     if key == "powersgd":
         return PowerSGD(rank=int(knob or 1), **common)
     if key == "qsparse":
-        return QsparseLocalSGD(lr=recipe.peak_lr(n), local_steps=QSPARSE_LOCAL_STEPS, ratio=float(knob or r),
+        return QsparseLocalSGD(lr=recipe.peak_lr(n), local_steps=local_steps or QSPARSE_LOCAL_STEPS,
+                               ratio=float(knob or r),
                                operator="sign_top_k", momentum=recipe.momentum, min_numel=recipe.min_numel)
     raise ValueError(f"unknown scheme {key!r}")
 
@@ -152,12 +154,10 @@ def match_knob(key, recipe, n, model, target):
 
     def measure(x):
         if x not in cost:
-            scheme = build(key, recipe, n, x)
-            if key == "qsparse":
-                scheme.local_steps = 1
-                cost[x] = bytes_per_step(scheme, n, model) / QSPARSE_LOCAL_STEPS
+            if key == "qsparse":  # one step synchronises
+                cost[x] = bytes_per_step(build(key, recipe, n, x, local_steps=1), n, model) / QSPARSE_LOCAL_STEPS
             else:
-                cost[x] = bytes_per_step(scheme, n, model)
+                cost[x] = bytes_per_step(build(key, recipe, n, x), n, model)
         return cost[x]
 
     if key == "powersgd":

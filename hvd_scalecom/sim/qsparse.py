@@ -62,9 +62,14 @@ class QsparseLocalSGD(Scheme):
         self.settings = settings
         self.lr = check_real(lr, "lr", 0.0, math.inf, low_open=True, high_open=True)
         self.momentum = check_real(momentum, "momentum", 0.0, 1.0, high_open=True)
-        self.local_steps, self.max_k = settings.local_steps, settings.max_k
-        self.operator, self.levels, self.seed = settings.operator, settings.levels, settings.seed
         self.generator = torch.Generator().manual_seed(self.seed)
+
+    # read from the configuration, which the steps follow (so they cannot be set apart from it)
+    local_steps = property(lambda self: self.settings.local_steps)
+    max_k = property(lambda self: self.settings.max_k)
+    operator = property(lambda self: self.settings.operator)
+    levels = property(lambda self: self.settings.levels)
+    seed = property(lambda self: self.settings.seed)
 
     def bind(self, specs, n, params):
         super().bind(specs, n, params)
