@@ -188,11 +188,19 @@ def straightforward(memory, grad, indices, beta, sent_dtype):
     return (1 - beta) * m + beta * (p - scattered), v
 
 
+def take_and_filter(memory, grad, indices, beta, sent_dtype=None):
+    """Steps 3-4 as the simulator's schemes run them: ``take``, then ``filter_memory_``; returns what is sent."""
+    memory_at, values = clt_k.take(memory, grad, indices)
+    sent = values if sent_dtype is None else values.to(sent_dtype)
+    clt_k.filter_memory_(memory, grad, indices, memory_at, values, sent, beta)
+    return sent
+
+
 @pytest.mark.parametrize("grad_dtype,sent_dtype", [
     (torch.float32, None), (torch.float32, torch.float16), (torch.float16, torch.float16),
     (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)])
 @pytest.mark.parametrize("beta", [1.0, 0.1])
-def test_take_and_filter_memory_is_the_formula(grad_dtype, sent_dtype, beta):
+def test_take_and_filter_memory_are_the_formula(grad_dtype, sent_dtype, beta):
     numel, k = 50_000, 700
     gen = torch.Generator().manual_seed(13)
     grad = torch.randn(numel, generator=gen).to(grad_dtype).view(100, 500)
@@ -200,7 +208,7 @@ def test_take_and_filter_memory_is_the_formula(grad_dtype, sent_dtype, beta):
     indices = torch.randperm(numel, generator=gen)[:k]
     expected_memory, expected_values = straightforward(memory, grad, indices, beta, sent_dtype)
     p_at = memory[indices] + grad.reshape(-1)[indices].float()  # what the leader's p holds at I
-    values = clt_k.take_and_filter_memory_(memory, grad, indices, beta, sent_dtype=sent_dtype)
+    values = take_and_filter(memory, grad, indices, beta, sent_dtype=sent_dtype)
     want = sent_dtype or torch.float32
     assert values.dtype == want and values.shape == (k,)
     assert torch.equal(values, p_at.to(want))  # bitwise p[I], rounded once to the sent dtype
@@ -209,7 +217,7 @@ def test_take_and_filter_memory_is_the_formula(grad_dtype, sent_dtype, beta):
     torch.testing.assert_close(values.double(), expected_values, rtol=rounding, atol=0)
 
 
-def test_take_and_filter_memory_accepts_int32_indices_and_rows_of_workers():
+def test_take_and_filter_memory_take_rows_of_workers():
     gen = torch.Generator().manual_seed(17)
     n, numel, k = 3, 10_000, 50
     M = torch.randn(n, numel, generator=gen)
@@ -218,7 +226,7 @@ def test_take_and_filter_memory_accepts_int32_indices_and_rows_of_workers():
     flat = (rows + torch.arange(n).view(n, 1) * numel).reshape(-1)  # the simulator's layout
     expected_memory, _ = straightforward(M.reshape(-1), G, flat, 0.3, None)
     p_at = (M + G).reshape(-1)[flat]
-    values = clt_k.take_and_filter_memory_(M.view(-1), G, flat.to(torch.int32), 0.3)
+    values = take_and_filter(M.view(-1), G, flat, 0.3)
     torch.testing.assert_close(M.view(-1).double(), expected_memory, rtol=1e-6, atol=1e-6)
     assert torch.equal(values, p_at)
 

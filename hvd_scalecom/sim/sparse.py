@@ -2,8 +2,8 @@
 
 Every sparsifier here follows ScaleCom's Algorithm 1 with a different choice of indices, and runs the
 memory update through :func:`hvd_scalecom.torch.clt_k.take` and
-:func:`~hvd_scalecom.torch.clt_k.filter_memory_` (or both at once, ``take_and_filter_memory_``), the
-functions the Horovod compressor calls: ``p_i = m_i + g_i``; values ``p_i[I]``;
+:func:`~hvd_scalecom.torch.clt_k.filter_memory_`, the functions the Horovod compressor calls:
+``p_i = m_i + g_i``; values ``p_i[I]``;
 ``m_i <- (1 - beta) m_i + beta (p_i - scatter(I, p_i[I]))`` (``beta = 1``: classic error feedback).
 
 =====================  =============================================  =====================================

@@ -6,8 +6,7 @@ Notation of Chen et al. (NeurIPS 2020), Algorithm 1, for one tensor on rank i at
 1. ``p_i = m_i + g_i``                                   (error-compensated gradient)
 2. ``I = top_k(|p_j|)`` on the leader j                   (CLT-k, :func:`select_top_k`)
 3. ``v_i = p_i[I]``, averaged over ranks                  (:func:`take`)
-4. ``m_i <- (1 - beta) m_i + beta (p_i - scatter(I, v_i))`` (low-pass filter, :func:`filter_memory_`;
-   :func:`take_and_filter_memory_` does 3 and 4 together)
+4. ``m_i <- (1 - beta) m_i + beta (p_i - scatter(I, v_i))`` (low-pass filter, :func:`filter_memory_`)
 5. the update applies ``scatter(I, mean_i v_i)``          (:func:`scatter_dense`)
 
 The Horovod compressor calls :func:`select_and_take` (leader) or :func:`take_checking` (steps 1-3)
@@ -406,23 +405,6 @@ def _at_least_masked(p, threshold):
     return indices, magnitudes.index_select(0, indices)
 
 
-def take_and_filter_memory_(memory, grad, indices, beta, sent_dtype=None):
-    """Steps 3-4 on rank i, in place on ``memory``; returns ``v_i = p_i[I]`` in ``sent_dtype``:
-    :func:`take` followed by :func:`filter_memory_`.
-
-    ``(1 - beta) m + beta (p - scatter(I, v))`` with ``p = m + g`` equals ``m + beta g`` off I and
-    ``(1 - beta) m + beta (p - v)`` on I, so the memory takes one pass (``m += beta g``) plus k-sized
-    gathers and scatters; ``p`` is never materialised here. ``p - v`` is zero unless the values travel
-    in a narrower dtype (``sent_dtype``, e.g. fp16), whose rounding error is then kept in the memory.
-    """
-    shape = indices.shape
-    indices = indices.reshape(-1).to(torch.int64)
-    memory_at_indices, values = take(memory, grad, indices)
-    sent = values if sent_dtype is None else values.to(sent_dtype)
-    filter_memory_(memory, grad, indices, memory_at_indices, values, sent, beta)
-    return sent.view(shape)
-
-
 def take(memory, grad, indices):
     """Step 3 without a dense pass: ``(m[I], p[I])`` from k-sized gathers (``indices`` int64, flat),
     in the memory's dtype."""
@@ -433,7 +415,11 @@ def take(memory, grad, indices):
 def filter_memory_(memory, grad, indices, memory_at_indices, values, sent, beta):
     """Step 4 in place: ``m += beta g`` off I, ``(1 - beta) m[I] + beta (p[I] - sent)`` on I, with
     ``(m[I], p[I])`` from :func:`take` taken before any change to ``memory`` and ``sent`` the values
-    as they travel (``p[I]`` rounded to the value dtype). ``memory_at_indices`` is overwritten."""
+    as they travel (``p[I]`` rounded to the value dtype). ``memory_at_indices`` is overwritten.
+
+    ``(1 - beta) m + beta (p - scatter(I, v))`` with ``p = m + g`` is that, so the memory takes one
+    pass plus k-sized gathers and scatters and ``p`` is never materialised; ``p - sent`` is zero
+    unless the values travel in a narrower dtype (e.g. fp16), whose rounding error the memory keeps."""
     memory.add_(grad.reshape(-1), alpha=beta)
     fix_memory_at_indices_(memory, indices, memory_at_indices, values, sent, beta)
 

@@ -1,8 +1,9 @@
 """Index selections of the top-k baselines, on torch tensors whose rows are workers.
 
 ``P`` is ``(n, d)``: row i is worker i's error-compensated vector ``p_i = m_i + g_i`` of one tensor.
-Values and residue memories go through :func:`hvd_scalecom.torch.clt_k.take_and_filter_memory_`, the
-same function ScaleCom uses; this module only decides *which* entries travel.
+Values and residue memories go through :func:`hvd_scalecom.torch.clt_k.take` and
+:func:`~hvd_scalecom.torch.clt_k.filter_memory_`, the functions ScaleCom uses; this module only
+decides *which* entries travel.
 
 * local top-k (Aji & Heafield 2017; Stich et al. 2018): each worker its own ``I_i = top_k(|p_i|)``;
 * random-k with a shared seed: every worker draws the same ``I`` without communicating;
