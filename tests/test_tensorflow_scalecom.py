@@ -464,7 +464,8 @@ def test_refused_steps_through_the_tape_change_nothing_and_grouped_fp16_values_a
     its own: a step refused because a sparse gradient bypassed compress leaves every variable's
     counter, tally, memory and stats() as they were, on every rank, and Horovod works on after it.
     groups=1 with fp16 values and a variable below min_numel (reduced densely in float32) would put
-    two dtypes in one grouped allreduce: every rank gets a ValueError naming both arguments."""
+    two dtypes in one grouped allreduce: every rank gets a ValueError naming both arguments. A tape
+    with op=hvd.Sum around a ScaleCom that averages is refused at its warm-up step, eager or traced."""
     results, _ = horovod_job("tf_refusals.py", {}, np=2)
     assert len(results) == 2
     for rank, r in enumerate(results):
@@ -480,6 +481,10 @@ def test_refused_steps_through_the_tape_change_nothing_and_grouped_fp16_values_a
         assert error.startswith("ValueError") and "value_dtype='float16' does not go with groups=" in error
         assert "variable #1 ('Variable#1') travels as float32 (dense: 10 entries, below " \
                "min_numel=100)" in error, error
+        for mode in ("eager", "function"):  # (before: the warm-up step applied the average, silently)
+            error = str(r[f"op/{mode}/error"])
+            assert "ScaleCom was built with op=Average but Horovod reduced its tensors with the other op" in error, \
+                f"rank {rank}, {mode}: {error}"
 
 
 def test_staggered_leader_fp16_values_threshold_selection_process_set(horovod_job):

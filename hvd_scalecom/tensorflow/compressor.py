@@ -232,7 +232,7 @@ class ScaleCom(tf.Module, Compressor):
             if in_warmup is None:
                 out = sparse()
             else:
-                out = tf.cond(in_warmup, lambda: tf.reshape(dense, slot.shape), sparse)
+                out = tf.cond(in_warmup, lambda: self._checked_dense(tensor, dense, slot), sparse)
             row = tf.cast(t % TIMING_STEPS, tf.int32)
             end, out = _stamp(out, start)
             seconds = end - start
@@ -296,19 +296,35 @@ class ScaleCom(tf.Module, Compressor):
             return values, (slot, t, indices, None, None, tensor, memory_at_indices, exact)
 
         def warmup():
-            """Dense reduction (``op``) by ScaleCom itself; Horovod's allreduce carries k zeros."""
+            """Dense reduction (``op``) by ScaleCom itself; Horovod's allreduce carries k ones, which
+            tell ``decompress`` which op Horovod reduced with (1 averaged, the ranks' count summed)."""
             dense = hvd.allreduce(tensor, op=self.op, name=f"{self._prefix}_dense_{slot.index}",
                                   ignore_name_scope=True, process_set=self._process_set)
             end, dense = _stamp(dense, start)
             self._record(slot, row, end - start, tf.constant(0.0, tf.float64), compressed=False)
             unused = tf.zeros([slot.k], slot.memory.dtype)
-            return (tf.zeros([slot.k], sent_dtype), tf.reshape(dense, [-1]),
+            return (tf.ones([slot.k], sent_dtype), tf.reshape(dense, [-1]),
                     tf.zeros([slot.k], index_dtype), unused, unused)
 
         in_warmup = t < self.config.warmup_steps
         values, dense, indices, memory_at_indices, exact = tf.cond(in_warmup, warmup, compressed)
         values = tf.ensure_shape(values, [slot.k])
         return values, (slot, t, indices, dense, in_warmup, tensor, memory_at_indices, exact)
+
+    def _checked_dense(self, reduced_ones, dense, slot):
+        """A warm-up step's gradient, ``dense`` (reduced by ScaleCom with ``op``), once the k ones that
+        Horovod reduced show that the tape reduces with the same op: a tape summing while ScaleCom
+        averages (or the reverse) would apply warm-up steps ``size`` times off."""
+        size = self._process_set.size()
+        averaged = self.op != hvd.Sum
+        reduced = tf.cast(reduced_ones[0], tf.float32)
+        check = tf.debugging.Assert(
+            tf.less(tf.abs(reduced - (1.0 if averaged else float(size))), 0.5),
+            [f"ScaleCom was built with op={'Average' if averaged else 'Sum'} but Horovod reduced its "
+             f"tensors with the other op: give ScaleCom the op of hvd.DistributedGradientTape "
+             f"(op=hvd.Sum to both, or neither). Horovod's reduction of ones:", reduced])
+        with tf.control_dependencies([check]):
+            return tf.reshape(tf.identity(dense), slot.shape)
 
     def _indices_for_step(self, slot, tensor, t, leader, rank, size, index_dtype, start):
         """The indices of step ``t`` on every rank, and when this rank started waiting for them:

@@ -8,6 +8,8 @@ argv: JSON options (unused), output directory. Writes ``rank<R>.npz`` with:
   ``tallies/<when>``, ``memories/<when>`` and ``stats/<when>`` are the state after step 0 and after
   the refused step; ``error`` its message; ``after`` a Sum-allreduce of the rank run after it.
 * ``groups/error``: the ValueError of ``groups=1`` with fp16 values and a variable below min_numel.
+* ``op/<eager|function>/error``: a warm-up step of a tape with ``op=hvd.Sum`` and a ScaleCom that
+  averages.
 """
 
 import json
@@ -73,6 +75,22 @@ try:
     record["groups/error"] = np.array("")
 except (ValueError, TypeError) as error:
     record["groups/error"] = np.array(f"{type(error).__name__}: {error}")
+
+for mode in ("eager", "function"):  # a tape that sums, a ScaleCom that averages: refused in warm-up
+    mismatched_weights = [tf.Variable(tf.ones([3000]) * (i + 1)) for i in range(2)]
+    averaging = ScaleCom(mismatched_weights, ratio=0.01, min_numel=100, warmup_steps=1)
+
+    def summing_step():
+        with tf.GradientTape() as tape:
+            loss = sum(tf.reduce_sum(w * w) for w in mismatched_weights)
+        return hvd.DistributedGradientTape(tape, compression=averaging, op=hvd.Sum).gradient(
+            loss, mismatched_weights)
+
+    try:
+        (tf.function(summing_step) if mode == "function" else summing_step)()
+        record[f"op/{mode}/error"] = np.array("")
+    except tf.errors.InvalidArgumentError as error:
+        record[f"op/{mode}/error"] = np.array(error.message)
 
 np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **record)
 hvd.allreduce(tf.constant(0.0), name="worker_done")
