@@ -168,6 +168,7 @@ class ScaleCom(Compressor):
         finally:  # a rank whose parameters differ learns it with all the others, not alone
             if not self._agreed:
                 self._check_agreement()
+                start = time.perf_counter()  # (its wait for every rank is no compression time)
         if not tensor.dtype.is_floating_point:
             raise TypeError(f"ScaleCom compresses floating-point gradients; the gradient of "
                             f"{slot.name!r} is {tensor.dtype}")
