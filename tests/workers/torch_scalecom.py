@@ -5,8 +5,8 @@ argv: JSON options, output directory. Writes ``rank<R>.npz`` with, per step t an
 (the gradient the optimizer applied), ``final/<name>`` (weights) and the compressor's ``stats``;
 with ``rollback``, ``first_attempt/<t>/<name>`` (what a step applied before it ran again); with
 ``commit_every_step``, ``next_indices/<t>/<name>`` ((step, *sorted indices) that state_dict() held).
-``stats/first`` is ``stats()`` of the first step; ``late_rank``: ``{"rank", "seconds"}`` that rank
-sleeps before its first step. ``skew_steps_at`` (given to one rank through ``per_rank``): at the top of that step, that rank's step
+``late_rank``: ``{"rank", "seconds"}`` that rank sleeps before its first step, and ``stats/first``
+is ``stats()`` of the first step (at most 5 steps: those stats() keeps). ``skew_steps_at`` (given to one rank through ``per_rank``): at the top of that step, that rank's step
 counters move one ahead, through its own state_dict() and load_state_dict().
 """
 
@@ -288,7 +288,8 @@ for name, entry in compression.state_dict()["params"].items():
     if entry["memory"] is not None:
         record[f"memory/{name}"] = (entry["memory"] / (entry["scale"] or 1.0)).numpy()  # unscaled
 record["stats"] = np.array(json.dumps(compression.stats()))
-record["stats/first"] = np.array(json.dumps(compression.stats(step=schedule[0])))
+if late:
+    record["stats/first"] = np.array(json.dumps(compression.stats(step=schedule[0])))
 record["traded"] = np.array(traded[0])
 record["native"] = np.array(native.library() is not None)  # which path the job's passes could take
 record["non_contiguous"] = np.array(non_contiguous[0])
