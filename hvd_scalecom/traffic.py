@@ -104,7 +104,7 @@ class TrafficMeter:
     def _add(self, step, tensors, counts):
         unknown = counts.keys() - _COUNTED
         if unknown:
-            raise TypeError(f"TrafficMeter.record: {sorted(unknown)} are not StepTraffic fields")
+            raise TypeError(f"TrafficMeter: {sorted(unknown)} are not StepTraffic fields")
         entry = self._by_step.get(step)
         if entry is None:
             entry = self._by_step[step] = StepTraffic()

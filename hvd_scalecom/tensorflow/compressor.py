@@ -324,7 +324,7 @@ class ScaleCom(tf.Module, Compressor):
              f"tensors with the other op: give ScaleCom the op of hvd.DistributedGradientTape "
              f"(op=hvd.Sum to both, or neither). Horovod's reduction of ones:", reduced])
         with tf.control_dependencies([check]):
-            return tf.reshape(tf.identity(dense), slot.shape)
+            return tf.reshape(dense, slot.shape)
 
     def _indices_for_step(self, slot, tensor, t, leader, rank, size, index_dtype, start):
         """The indices of step ``t`` on every rank, and when this rank started waiting for them:
