@@ -4,6 +4,7 @@ the single-process reference of the paper's equations (tests/reference.py), like
 import json
 import math
 import os
+import re
 from collections import defaultdict
 
 import numpy as np
@@ -192,6 +193,8 @@ def test_eager_matches_reference_allreduce_exchange(horovod_job):
     check_identical_weights(results)
     assert density(applied[0], "hidden.weight") == 1.0
     assert density(applied[5], "hidden.weight") == pytest.approx(0.05, abs=0.002)
+    stats = json.loads(str(results[0]["stats"]))  # k indices and the count of leaders per tensor
+    assert stats["index_bytes"] == 4 * (154 + 1 + 32 + 1) and stats["value_bytes"] == 4 * (154 + 32)
 
 
 def test_function_on_three_ranks_broadcasts_from_every_root_and_matches_reference(horovod_job):
@@ -773,6 +776,26 @@ def test_ranks_that_disagree_all_get_one_clear_error(horovod_job, size):
     opts = {"ratio": 0.05, "beta": 0.5, "min_numel": 600}
     applied, _ = check_against_reference(results, opts, steps=2, label="agree/")
     assert density(applied[1], "hidden.weight") == pytest.approx(0.05, abs=0.002)
+
+
+def test_step_counters_that_part_mid_job_stop_every_rank_alike(horovod_job):
+    """Rank 1 restores a state one step ahead at step 1, after the first step's comparison: no rank
+    then leads step 1 (rank 0 takes rank 1 for its leader, rank 1 rank 0). The allreduce's count of
+    leaders and the allgather's length show it, and every rank raises the same error (a broadcast
+    from two roots is Horovod's own error)."""
+    cases = [{"label": exchange, "steps": 3, "eager": exchange == "allgather",
+              "per_rank": {"0": {"index_exchange": exchange},
+                           "1": {"index_exchange": exchange, "skew_steps_at": 1}}}
+             for exchange in ("allreduce", "allgather")]
+    results, _ = horovod_job("tf_agreement.py", {"cases": cases}, np=2)
+    for case in cases:
+        errors = [str(r[f"{case['label']}/error"]) for r in results]
+        found = [re.search(r"\[ScaleCom: the index exchange of (\S+) found this many leaders of the step, not "
+                           r"one:\] \[(\d+)\] \[the step counters of the ranks differ \(restore every rank from "
+                           r"a state of the same step\)\]", e) for e in errors]
+        assert all(found), errors
+        assert {f.groups() for f in found} == {(found[0][1], "0")}, errors
+        assert all(f"{case['label']}/applied/1/hidden.weight" not in r for r in results)
 
 
 def test_example_checkpoint_resume_continues_identically(tmp_path):

@@ -27,13 +27,20 @@ def test_tensor_that_is_no_parameters_gradient():
         compression.compress(torch.zeros(30, 40))
 
 
+def test_a_parameter_handed_over_names_adasum():
+    net = model()
+    compression = ScaleCom(net.named_parameters())
+    with pytest.raises(ValueError, match="handed a parameter, not its gradient.*op=hvd.Adasum"):
+        compression.compress(next(net.parameters()))
+
+
 def test_adasum_is_a_clear_error(horovod_job):
     from hvd_scalecom.launch import HorovodRunError
     with pytest.raises(HorovodRunError) as refused:
         horovod_job("torch_scalecom.py", {"op": "adasum", "steps": 1}, np=2, timeout=120)
     sections = str(refused.value).split("----- rank ")[1:]  # ScaleCom's own error, on every rank
-    assert len(sections) == 2 and all("op=hvd.Adasum, which compresses parameter deltas, is not supported"
-                                      in section for section in sections)
+    assert len(sections) == 2 and all("handed a parameter, not its gradient: hvd.DistributedOptimizer was "
+                                      "built with op=hvd.Adasum" in section for section in sections)
 
 
 def test_a_process_set_given_to_the_optimizer_alone_ends_with_a_clear_error(horovod_job):

@@ -18,10 +18,13 @@ Decisions that depend on the step are graph conditionals with static shapes on e
   ``tf.switch_case`` picks one of ``size`` ``HorovodBroadcast`` ops, one per possible root
   (``root_rank`` is a static attribute; Horovod wants it as a global rank). With
   ``index_exchange="allreduce"`` the leader contributes its indices and the others zeros to an integer
-  Sum-allreduce instead (same result; one op, twice the index bytes on the wire); with
-  ``"allgather"`` the leader contributes its k indices and the others none to an allgather (same
-  result; one op whatever the number of ranks, a broadcast's bytes, and Horovod fuses allgathers
-  that are ready together, as it fuses allreduces, but never broadcasts).
+  Sum-allreduce instead, with a count of leaders appended (same result; one op, twice the index
+  bytes on the wire); with ``"allgather"`` the leader contributes its k indices and the others none
+  to an allgather (same result; one op whatever the number of ranks, a broadcast's bytes, and
+  Horovod fuses allgathers that are ready together, as it fuses allreduces, but never broadcasts).
+  Ranks whose step counters differ disagree on the leader: the broadcasts' roots then differ (an
+  error from Horovod), and the allreduce's count or the allgather's length shows other than one
+  leader (the same error on every rank).
 * the graph is the same on every rank, and ScaleCom's own collectives use ``ignore_name_scope``:
   Horovod keys collectives by node names, which carry counters of the functions TF inlines.
 * pipelined (``pipelined=True``): the leader of step t + 1 selects its top-k from this step's
@@ -389,14 +392,16 @@ class ScaleCom(tf.Module, Compressor):
 
     def _share(self, slot, mine, leader, rank, size, index_dtype, name):
         """``mine`` of the ``leader`` on every rank (a broadcast, a Sum-allreduce or an allgather)."""
+        leading = tf.cast(tf.equal(leader, rank), index_dtype)
         if self.index_exchange == "allgather":  # the leader's k, nothing from the others
-            given = mine[:tf.where(tf.equal(leader, rank), slot.k, 0)]
-            indices = hvd.allgather(given, name=name, ignore_name_scope=True, process_set=self._process_set)
-            return tf.ensure_shape(indices, [slot.k])
-        if self.index_exchange == "allreduce":
-            indices = hvd.allreduce(mine * tf.cast(tf.equal(leader, rank), index_dtype), op=hvd.Sum,
-                                    name=name, ignore_name_scope=True, process_set=self._process_set)
-            return tf.ensure_shape(indices, [slot.k])
+            indices = hvd.allgather(mine[:leading * slot.k], name=name, ignore_name_scope=True,
+                                    process_set=self._process_set)
+            leaders = tf.shape(indices, out_type=tf.int64)[0] // slot.k
+            return self._one_leader(slot, leaders, tf.concat([indices, tf.zeros([slot.k], index_dtype)], 0)[:slot.k])
+        if self.index_exchange == "allreduce":  # the leader's indices and a 1, zeros from the others
+            summed = hvd.allreduce(tf.concat([mine * leading, [leading]], 0), op=hvd.Sum,
+                                   name=name, ignore_name_scope=True, process_set=self._process_set)
+            return self._one_leader(slot, tf.cast(summed[slot.k], tf.int64), summed[:slot.k])
 
         global_ranks = self._process_set.ranks  # Horovod takes the root as a global rank
 
@@ -407,6 +412,17 @@ class ScaleCom(tf.Module, Compressor):
             return branch
 
         return tf.ensure_shape(tf.switch_case(leader, [from_root(r) for r in range(size)]), [slot.k])
+
+    @staticmethod
+    def _one_leader(slot, leaders, indices):
+        """``indices`` once the exchange shows that one rank led (``leaders``, counted by the exchange,
+        is the same on every rank, so every rank fails alike): ranks whose step counters differ
+        disagree on the leader, and their indices would be summed or missing."""
+        check = tf.debugging.Assert(tf.equal(leaders, 1), [
+            f"ScaleCom: the index exchange of {slot.name} found this many leaders of the step, not one:",
+            leaders, "the step counters of the ranks differ (restore every rank from a state of the same step)"])
+        with tf.control_dependencies([check]):  # (an allgather's are padded to at least k)
+            return tf.ensure_shape(tf.identity(indices), [slot.k])
 
     def _record(self, slot, row, compute_seconds, wait_seconds, compressed):
         seconds = tf.stack([compute_seconds, wait_seconds])
@@ -567,7 +583,7 @@ class ScaleCom(tf.Module, Compressor):
             if first <= step < reduced_through:
                 this_step.add(self._step_traffic(slot, step))
                 if step == last_fresh:  # pipelined: its own indices and the next step's
-                    this_step.index_bytes += slot.k * self.config.index_itemsize(slot.numel)
+                    this_step.index_bytes += self._index_bytes(slot)
                 if step >= reduced_through - TIMING_STEPS:
                     compute, wait = timing[step % TIMING_STEPS]
                     this_step.compress_seconds += float(compute)
@@ -576,7 +592,7 @@ class ScaleCom(tf.Module, Compressor):
                 total.add(_scaled(self._step_traffic(slot, None, dense=True), dense_steps))
             if compressed_steps:
                 total.add(_scaled(self._step_traffic(slot, None, dense=False), compressed_steps))
-                total.index_bytes += fresh_count * slot.k * self.config.index_itemsize(slot.numel)
+                total.index_bytes += fresh_count * self._index_bytes(slot)
             total.compress_seconds += float(timing[TIMING_STEPS, 0])
             total.index_wait_seconds += float(timing[TIMING_STEPS, 1])
         out = this_step.as_dict()
@@ -584,6 +600,10 @@ class ScaleCom(tf.Module, Compressor):
         out["nonfinite_skips"] = sum(int(s.nonfinite.numpy()) for s in self._slots)
         out["total"] = total.as_dict()
         return out
+
+    def _index_bytes(self, slot):
+        """One exchange's index payload: k indices (the allreduce's also its count of leaders)."""
+        return (slot.k + (self.index_exchange == "allreduce")) * self.config.index_itemsize(slot.numel)
 
     def _step_traffic(self, slot, step, dense=None):
         itemsize = slot.grad_dtype.size
@@ -595,7 +615,7 @@ class ScaleCom(tf.Module, Compressor):
         value_bytes = slot.k * (self._value_dtype or slot.grad_dtype).size
         if dense:  # warm-up: ScaleCom's dense average plus Horovod's k placeholder values
             return StepTraffic(dense_bytes=full + value_bytes, uncompressed_bytes=full, tensors=1)
-        return StepTraffic(index_bytes=slot.k * self.config.index_itemsize(slot.numel),
+        return StepTraffic(index_bytes=self._index_bytes(slot),
                            value_bytes=value_bytes, uncompressed_bytes=full, tensors=1)
 
     def state_dict(self):

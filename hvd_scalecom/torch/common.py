@@ -120,6 +120,11 @@ class GradientLookup:
             index = guess
         else:
             index = next((i for i, p in enumerate(self.params) if p.grad is tensor), None)
+            if index is None and any(p is tensor for p in self.params):
+                raise ValueError(
+                    f"{self.scheme} was handed a parameter, not its gradient: hvd.DistributedOptimizer "
+                    f"was built with op=hvd.Adasum, which compresses parameter deltas. {self.scheme} "
+                    f"compresses gradients; use op=hvd.Average or op=hvd.Sum.")
             if index is None:
                 index = self._sparse_index_of(tensor, not_yet)
         if self._last is not None:
@@ -142,7 +147,7 @@ class GradientLookup:
         raise ValueError(
             f"{self.scheme} was asked to compress a tensor of shape {tuple(tensor.shape)} that is not "
             f"the gradient of any parameter in named_parameters. Pass the model's named_parameters to "
-            f"{self.scheme} (op=hvd.Adasum, which compresses parameter deltas, is not supported).")
+            f"{self.scheme}.")
 
     def reset(self):
         self._after.clear()

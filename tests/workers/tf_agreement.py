@@ -1,10 +1,11 @@
 """One rank of a job where ranks may build ScaleCom (TF) differently, case after case.
 
 argv: JSON options, output directory. ``opts["cases"]``: a list of ``{"label", "per_rank": {rank:
-{ScaleCom argument overrides, "hidden": width, "extra_scalecom": True or "skew_steps": True}}, "eager": bool, "steps": n}``. Each case builds
+{ScaleCom argument overrides, "hidden": width, "extra_scalecom": True, "skew_steps": True or
+"skew_steps_at": t}}, "eager": bool, "steps": n}``. Each case builds
 new variables and a new ScaleCom and trains ``steps`` steps through ``hvd.DistributedGradientTape``
 (a tf.function step unless ``eager``). Writes ``rank<R>.npz`` with ``<label>/error`` (the ValueError
-text, empty when the case trained) and, per step t and variable name, ``<label>/raw/<t>/<name>``
+or InvalidArgumentError text, empty when the case trained) and, per step t and variable name, ``<label>/raw/<t>/<name>``
 (this rank's own gradient) and ``<label>/applied/<t>/<name>`` (the reduced gradient applied).
 """
 
@@ -36,6 +37,7 @@ def run_case(index, case, record):
     # (scalecom<n>); the other ranks build theirs after the case, so that later cases agree again.
     extra = args.pop("extra_scalecom", False)
     skew = args.pop("skew_steps", False)  # this rank restores a state one step ahead before the first
+    skew_at = args.pop("skew_steps_at", None)  # ... or at the top of that step (the job under way)
     extra_elsewhere = any(o.get("extra_scalecom") for o in case.get("per_rank", {}).values()) and not extra
     if extra:
         ScaleCom([tf.Variable(tf.zeros([10]))], min_numel=1)
@@ -43,11 +45,14 @@ def run_case(index, case, record):
     weights = [tf.Variable(0.2 * gen.randn(*s).astype(np.float32))
                for s in [(48, hidden), (hidden,), (hidden, 10), (10,)]]
     compression = ScaleCom(weights, **args)
-    if skew:
+    def skew_steps():
         state = compression.state_dict()
         for entry in state["params"].values():
             entry["step"] += 1
         compression.load_state_dict(state)
+
+    if skew:
+        skew_steps()
 
     def step(x, y):
         with tf.GradientTape() as tape:
@@ -61,6 +66,8 @@ def run_case(index, case, record):
         step = tf.function(step)
     try:
         for t in range(case.get("steps", 1)):
+            if t == skew_at:
+                skew_steps()
             x, y = batch(t, rank)
             with tf.GradientTape() as tape:
                 loss = loss_of(weights, x, y)
@@ -70,7 +77,7 @@ def run_case(index, case, record):
                 record[f"{label}/raw/{t}/{name}"] = r.numpy()
                 record[f"{label}/applied/{t}/{name}"] = a.numpy()
         record[f"{label}/error"] = np.array("")
-    except ValueError as error:
+    except (ValueError, tf.errors.InvalidArgumentError) as error:
         record[f"{label}/error"] = np.array(str(error))
     if extra_elsewhere:
         ScaleCom([tf.Variable(tf.zeros([10]))], min_numel=1)
