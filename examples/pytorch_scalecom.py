@@ -24,7 +24,7 @@ from digits_common import epoch_steps, positive_int
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--compression", choices=["scalecom", "dense", "fp16"], default="scalecom")
     ap.add_argument("--ratio", type=float, default=0.01)
     ap.add_argument("--beta", type=float, default=0.5)

@@ -10,6 +10,7 @@ import tempfile
 from hvd_scalecom.launch import horovodrun_command, split_by_rank
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+OWN_OUTPUTS = ("--result", "--checkpoint", "--resume", "--tensorboard")  # per job: not passed on
 
 
 def run_job(compression, workers, extra=()):
@@ -40,8 +41,14 @@ def main(argv=None):
         print(__doc__ + "\nusage: python examples/run_demo.py [ARGUMENTS]\n\nARGUMENTS (e.g. --epochs 5 "
               "--seed 1) go to examples/pytorch_scalecom.py in both jobs; see its --help.")
         return
-    if any(a == "--compression" or a.startswith("--compression=") for a in extra):
-        raise SystemExit("run_demo.py runs --compression scalecom and then dense itself: leave --compression out")
+    for a in extra:  # (the example refuses abbreviations, so these are the only spellings)
+        name = a.split("=", 1)[0]
+        if name == "--compression":
+            raise SystemExit("run_demo.py runs --compression scalecom and then dense itself: leave "
+                             "--compression out")
+        if name in OWN_OUTPUTS:
+            raise SystemExit(f"run_demo.py cannot pass {name} on: both of its jobs would write (or read) "
+                             f"the same place; run examples/pytorch_scalecom.py under horovodrun for it")
     workers = 2
     scalecom = run_job("scalecom", workers, extra)
     dense = run_job("dense", workers, extra)  # the same settings: a side-by-side comparison

@@ -24,8 +24,8 @@ def horovodrun_command(args, np=2, controller="gloo", start_timeout=120, python=
         raise TypeError(f"args must be a list of arguments (the script first), got the string {args!r}")
     if isinstance(np, bool) or not isinstance(np, int) or np < 1:
         raise ValueError(f"np must be an int >= 1, got {np!r}")
-    args = list(args)
-    bad = [a for a in args if not isinstance(a, (str, os.PathLike))]
+    args = [os.fspath(a) if isinstance(a, os.PathLike) else a for a in args]
+    bad = [a for a in args if not isinstance(a, str)]
     if bad:
         raise TypeError(f"args must be strings (or paths), got {bad!r}")
     if isinstance(start_timeout, bool) or not isinstance(start_timeout, int) or start_timeout < 1:
@@ -58,6 +58,11 @@ def run(args, np=2, controller="gloo", timeout=300, env=None, cwd=None, check=Tr
 
 def run_command(cmd, timeout=300, env=None, cwd=None, check=True, threads=1):
     """:func:`run` for a ``horovodrun`` argv built by the caller (elastic options, say)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+    cmd = [os.fspath(a) for a in cmd]
     full_env = dict(os.environ)
     full_env.update({
         "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),

@@ -44,7 +44,8 @@ as_root() {
 # 1. System packages: OpenMPI (so Horovod gets the MPI controller), a compiler and cmake.
 need_apt=()
 for pkg in libopenmpi-dev openmpi-bin cmake g++ make; do
-  dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
+  # installed ("ii"), not merely known to dpkg (a package removed but not purged is "rc")
+  dpkg-query -W -f='${db:Status-Abbrev}' "$pkg" 2>/dev/null | grep -q '^ii' || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "installing system packages: ${need_apt[*]}"
@@ -66,6 +67,14 @@ vpy="$VENV/bin/python"
 pip_install() {  # quiet, minus pip's notes about this machine's unused local index folders
   "$vpy" -m pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v "is ignored: it is neither" || true; }
 }
+# tensorflow and tensorflow-cpu install the same module: the other build's package goes first, and
+# this one's files are put back whole (the uninstall removed the files the two share).
+if [ "$GPU" = 1 ]; then other_tf=tensorflow-cpu; else other_tf=tensorflow; fi
+if "$vpy" -m pip show -q "$other_tf" >/dev/null 2>&1; then
+  log "removing $other_tf (this is the $variant build: $tf_pkg)"
+  "$vpy" -m pip uninstall -y -q "$other_tf"
+  pip_install --no-deps --force-reinstall "$tf_pkg==$TENSORFLOW_VERSION"
+fi
 log "installing Python packages (torch $TORCH_VERSION, $tf_pkg $TENSORFLOW_VERSION, ...)"
 pip_install "torch==$TORCH_VERSION" "$tf_pkg==$TENSORFLOW_VERSION" "$NUMPY_SPEC" \
   "mpi4py==$MPI4PY_VERSION" "scikit-learn==$SCIKIT_LEARN_VERSION" "$PYTEST_SPEC" "$MATPLOTLIB_SPEC" \
@@ -93,7 +102,18 @@ patch_horovod_source() {  # $1: unpacked sdist
   grep -q '^#if 0 // hvd_scalecom' "$src/horovod/tensorflow/xla_mpi_ops.cc" || die "XLA patch did not apply"
 }
 
+has_python_headers() {  # the build compiles against Python.h (torch's extension headers include it)
+  "$vpy" -c "import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))"
+}
+
 if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
+  if ! has_python_headers; then
+    log "installing python$PYTHON_VERSION-dev (Horovod's build needs Python.h)"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      "python$PYTHON_VERSION-dev" >/dev/null || true
+    has_python_headers || die "Horovod's build needs Python.h, which is not in $("$vpy" -c 'import sysconfig; print(sysconfig.get_paths()["include"])'): install the development headers of the Python that made $VENV (python$PYTHON_VERSION-dev for Debian's) and retry"
+  fi
   log "building Horovod $HOROVOD_VERSION ($key): about 12-16 minutes on 2 cores, once"
   build="$(mktemp -d)"
   trap 'rm -rf "$build"' EXIT
@@ -114,16 +134,20 @@ if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
   rm -rf "$wheel_dir" && mv "$wheel_dir.partial" "$wheel_dir"
   log "cached $(ls "$wheel_dir"/horovod-*.whl)"
 fi
+# Installed again whenever the wheel installed last was built for other versions or another variant.
+installed_key="$VENV/.hvd_scalecom-horovod-wheel"
 if ! "$vpy" -c "import importlib.metadata as m, sys; sys.exit(m.version('horovod') != '$HOROVOD_VERSION')" 2>/dev/null \
-   || [ ! -f "$stamp" ]; then
+   || [ "$(cat "$installed_key" 2>/dev/null)" != "$key" ]; then
+  log "installing Horovod built for $key"
   pip_install --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl
+  echo "$key" > "$installed_key"
 fi
 
 # 4. The package itself (editable), then the check the issue asks for.
 pip_install --no-deps --no-build-isolation -e "$repo"
 check="$("$VENV/bin/horovodrun" --check-build 2>&1)" || { echo "$check" >&2; die "horovodrun --check-build failed"; }
 for want in "\[X\] TensorFlow" "\[X\] PyTorch" "\[X\] MPI" "\[X\] Gloo"; do
-  grep -q "$want" <<<"$check" || { echo "$check" >&2; die "horovodrun --check-build lacks ${want#\\[X\\] }"; }
+  grep -q "$want" <<<"$check" || { echo "$check" >&2; die "horovodrun --check-build lacks ${want#'\[X\] '}"; }
 done
 log "horovodrun --check-build: TensorFlow, PyTorch, MPI and Gloo present"
 echo "$stamp_key" > "$stamp"

@@ -63,6 +63,7 @@ def test_shards_of_different_sizes_take_the_same_steps(example, tmp_path):
     (["--epochs", "0"], "argument --epochs: must be a positive integer, got 0"),
     (["--batch-size", "-5"], "argument --batch-size: must be a positive integer, got -5"),
     (["--batch-size", "2000"], "--batch-size 2000 is larger than the smallest worker's shard of 1437"),
+    (["--comp", "dense"], "unrecognized arguments: --comp dense"),  # no abbreviations
 ])
 def test_bad_example_arguments_are_named(example, arguments, message):
     import subprocess
@@ -72,7 +73,7 @@ def test_bad_example_arguments_are_named(example, arguments, message):
     assert done.returncode != 0 and message in done.stdout + done.stderr, done.stderr[-2000:]
 
 
-def test_the_demo_explains_its_arguments_and_refuses_compression():
+def test_the_demo_explains_its_arguments_and_refuses_compression_and_outputs():
     import subprocess
     import sys
     demo = os.path.join(ROOT, "examples", "run_demo.py")
@@ -81,3 +82,7 @@ def test_the_demo_explains_its_arguments_and_refuses_compression():
     refused = subprocess.run([sys.executable, demo, "--compression", "fp16"], capture_output=True, text=True,
                              timeout=120)
     assert refused.returncode != 0 and "leave --compression out" in refused.stderr
+    for arguments in (["--result", "x.json"], ["--checkpoint=ckpt"], ["--resume"], ["--tensorboard", "tb"]):
+        refused = subprocess.run([sys.executable, demo, *arguments], capture_output=True, text=True, timeout=120)
+        name = arguments[0].split("=")[0]
+        assert refused.returncode != 0 and f"cannot pass {name} on: both of its jobs" in refused.stderr

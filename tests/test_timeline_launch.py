@@ -46,6 +46,20 @@ def test_launch_refuses_a_string_of_arguments_and_a_bad_np():
     for timeout in (None, -5, 2.5):
         with pytest.raises(ValueError, match="start_timeout must be an int >= 1"):
             launch.horovodrun_command(["train.py"], start_timeout=timeout)
+    for timeout in (0, -5, "30", None, True):
+        with pytest.raises(ValueError, match="timeout must be a number of seconds > 0"):
+            launch.run(["train.py"], timeout=timeout)
+    for threads in (0, 1.5, "2", True):
+        with pytest.raises(ValueError, match="threads must be an int >= 1"):
+            launch.run(["train.py"], threads=threads)
+
+
+def test_a_failed_job_of_path_arguments_reports_its_ranks(tmp_path):
+    missing = tmp_path / "no_such_script.py"
+    assert launch.horovodrun_command([missing, "--x"])[-2:] == [str(missing), "--x"]
+    with pytest.raises(launch.HorovodRunError, match="----- rank 0 -----") as failed:
+        launch.run([missing], np=1, timeout=120)
+    assert "horovodrun exited with" in str(failed.value) and str(missing) in str(failed.value)
 
 
 def test_residue_norm_names_compression_for_other_objects():
