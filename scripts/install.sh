@@ -122,7 +122,8 @@ if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
   tar -xzf "$build/horovod-$HOROVOD_VERSION.tar.gz" -C "$build"
   patch_horovod_source "$build/horovod-$HOROVOD_VERSION"
   export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 \
-         HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="-j${HVD_SCALECOM_JOBS:-2}"
+         HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="-j${HVD_SCALECOM_JOBS:-2}" \
+         CMAKE_POLICY_VERSION_MINIMUM=3.5  # (a CMake 4 first on PATH refuses the release's old minimum)
   [ "$GPU" = 1 ] && export HOROVOD_GPU_OPERATIONS=NCCL
   (cd "$build/horovod-$HOROVOD_VERSION" && \
      PATH="$VENV/bin:$PATH" "$vpy" -m pip wheel -q --no-build-isolation --no-deps --no-cache-dir \
