@@ -113,7 +113,7 @@ def main(argv=None):
     global_step, first_epoch = 0, 0
     if args.resume:
         first_epoch, global_step = load_checkpoint(args.checkpoint, rank, model, optimizer,
-                                                   compression, gen)
+                                                   compression, args.compression, gen)
         if first_epoch >= args.epochs:
             raise SystemExit(f"--epochs {args.epochs}: the checkpoint in {args.checkpoint} has trained "
                              f"{first_epoch} epochs already; ask for more to resume")
@@ -148,7 +148,7 @@ def main(argv=None):
             writer.add_scalar("test/accuracy", accuracy, global_step)
         if args.checkpoint:
             save_checkpoint(args.checkpoint, rank, epoch + 1, global_step, model, optimizer,
-                            compression, gen)
+                            compression, args.compression, gen)
         if rank == 0:
             print(f"epoch {epoch + 1:3d}/{args.epochs}  loss {mean_loss:.4f}  test accuracy "
                   f"{100 * accuracy:6.2f}%  gradient bytes/step {sent:9,} vs dense {dense_bytes:,} "
@@ -166,20 +166,27 @@ def main(argv=None):
                 json.dump(result, f)
 
 
-def save_checkpoint(directory, rank, epoch, global_step, model, optimizer, compression, gen):
+def save_checkpoint(directory, rank, epoch, global_step, model, optimizer, compression, name, gen):
     """What a resumable checkpoint holds, per rank: the model and optimizer (momentum) state, the
     position in training and the data order, and ScaleCom's state (this rank's residue memory and
-    step counters: every rank's memory differs, so every rank writes its own file)."""
+    step counters: every rank's memory differs, so every rank writes its own file), and ``name``, the
+    --compression it trained with."""
     os.makedirs(directory, exist_ok=True)
     state = {"epoch": epoch, "global_step": global_step, "model": model.state_dict(),
              "optimizer": optimizer.state_dict(), "data_order": gen.get_state(),
-             "compression": compression.state_dict() if isinstance(compression, ScaleCom) else None}
+             "compression": compression.state_dict() if isinstance(compression, ScaleCom) else None,
+             "trained_with": name}
     torch.save(state, os.path.join(directory, f"rank{rank}.pt"))
 
 
-def load_checkpoint(directory, rank, model, optimizer, compression, gen):
-    """Restore what :func:`save_checkpoint` wrote for this rank; returns (epoch, global step)."""
+def load_checkpoint(directory, rank, model, optimizer, compression, name, gen):
+    """Restore what :func:`save_checkpoint` wrote for this rank; returns (epoch, global step). A
+    checkpoint trained with another --compression than ``name`` is refused (ScaleCom's memories
+    would be dropped, or missing)."""
     state = torch.load(os.path.join(directory, f"rank{rank}.pt"), weights_only=False)
+    if state.get("trained_with", name) != name:
+        raise SystemExit(f"--compression {name}: the checkpoint in {directory} was trained with "
+                         f"--compression {state['trained_with']}; resume with that")
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     gen.set_state(state["data_order"])

@@ -112,8 +112,10 @@ def main(argv=None):
 
     # Per rank: the model and optimizer are the same everywhere, ScaleCom's residue memories are not.
     epoch_done = tf.Variable(0, dtype=tf.int64, trainable=False)
+    trained_with = tf.Variable(args.compression, trainable=False)  # the --compression saved
     tracked = {"compression": compression} if args.compression == "scalecom" else {}
-    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, epoch=epoch_done, **tracked)
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, epoch=epoch_done,
+                                     trained_with=trained_with, **tracked)
     manager = None
     if args.checkpoint:
         manager = tf.train.CheckpointManager(checkpoint, os.path.join(args.checkpoint, f"rank{rank}"),
@@ -122,6 +124,9 @@ def main(argv=None):
         if manager.latest_checkpoint is None:
             raise FileNotFoundError(f"--resume: no checkpoint in {args.checkpoint}/rank{rank}")
         checkpoint.restore(manager.latest_checkpoint).assert_existing_objects_matched()
+        if trained_with.numpy().decode() != args.compression:  # (ScaleCom's memories would be dropped)
+            raise SystemExit(f"--compression {args.compression}: the checkpoint in {args.checkpoint} was "
+                             f"trained with --compression {trained_with.numpy().decode()}; resume with that")
         if int(epoch_done) >= args.epochs:
             raise SystemExit(f"--epochs {args.epochs}: the checkpoint in {args.checkpoint} has trained "
                              f"{int(epoch_done)} epochs already; ask for more to resume")

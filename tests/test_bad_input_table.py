@@ -334,8 +334,11 @@ def trained_scalecom():
 
 
 def scalecom_rows(good):
+    kept = next(n for n, e in good["params"].items() if e["memory"] is not None)
     return per_parameter_rows(good, "memory", "5 entries") + [
         (with_last(good, memory=torch.ones(2, dtype=torch.int64)), TypeError, "memory"),
+        (with_broken(good, kept, memory=torch.full_like(good["params"][kept]["memory"], float("inf"))), ValueError,
+         "non-finite"),
         (with_last(good, scale=-2.0), ValueError, "scale"),
         (with_last(good, step=2 ** 63), ValueError, "below 2**63"),
         (with_last(good, scale="x"), ValueError, "scale"),
@@ -387,12 +390,15 @@ def qsparse_rows(good):
     last = list(mine["params"])[-1]
     params = {n: {**e} for n, e in mine["params"].items()}
     params[last]["memory"] = torch.ones(5)
+    nonfinite = {n: {**e} for n, e in mine["params"].items()}
+    nonfinite[last]["shared"] = torch.full((dict(named())[last].numel(),), NAN)
     return [
         ("not a dict", ValueError, "state_dict"),
         ({"state": {}}, ValueError, "state_dict"),
         (wrapper(config={**mine["config"], "ratio": 0.5}), ValueError, "config"),
         (wrapper(params={}), ValueError, "missing"),
         (wrapper(params=params), ValueError, "5 entries"),
+        (wrapper(params=nonfinite), ValueError, "non-finite"),
         (wrapper(step=-1), ValueError, "step"),
         (wrapper(step="x"), TypeError, "step"),
         (wrapper(step=3, generator="seed"), TypeError, "generator"),

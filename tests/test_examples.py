@@ -36,6 +36,10 @@ def test_resume_from_checkpoint_matches_an_uninterrupted_run(tmp_path):
     name = "0.weight"
     assert memories[0][name]["step"] == memories[1][name]["step"] == straight["steps"]
     assert not torch.equal(memories[0][name]["memory"], memories[1][name]["memory"])
+    from hvd_scalecom.launch import HorovodRunError  # another --compression would drop the memories
+    with pytest.raises(HorovodRunError, match="--compression dense: the checkpoint in .* was trained "
+                                              "with --compression scalecom; resume with that"):
+        _train(tmp_path, "other", "--epochs", "4", "--checkpoint", str(ckpt), "--resume", "--compression", "dense")
 
 
 @pytest.mark.parametrize("example", ["pytorch_scalecom.py", "tensorflow_scalecom.py"])

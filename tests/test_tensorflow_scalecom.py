@@ -618,6 +618,8 @@ def test_load_state_dict_checks_everything_first(tf_modules):
                               "b": {"step": 2 ** 63, "memory": None}}}, "step of 'b' must be below 2\\*\\*63"),
         ({**state, "params": {"b": {"step": 3, "memory": None},
                               "w": {"step": 3, "memory": np.array(["x"] * 1200)}}}, "memory of 'w'"),
+        ({**state, "params": {"b": {"step": 3, "memory": None},  # (1e39 becomes inf in fp32)
+                              "w": {"step": 3, "memory": np.full(1200, 1e39)}}}, "memory of 'w' holds non-finite"),
     ]
     for candidate, word in bad:
         with pytest.raises((ValueError, TypeError), match=word):
@@ -825,6 +827,10 @@ def test_example_checkpoint_resume_continues_identically(tmp_path):
     assert resumed["weights_l2"] == pytest.approx(straight["weights_l2"], rel=1e-6)
     assert resumed["accuracy"] == straight["accuracy"]
     assert resumed["loss"] != pytest.approx(first["loss"], rel=1e-3)  # it did train on
+    from hvd_scalecom.launch import HorovodRunError  # another --compression would drop the memories
+    with pytest.raises(HorovodRunError, match="--compression fp16: the checkpoint in .* was trained "
+                                              "with --compression scalecom; resume with that"):
+        result("other", "--epochs", "3", "--checkpoint", str(tmp_path / "ckpt"), "--resume", "--compression", "fp16")
 
 
 def test_nonfinite_gradient_skips_the_memory_update_on_every_rank(horovod_job):

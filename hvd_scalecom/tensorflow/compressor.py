@@ -22,9 +22,9 @@ Decisions that depend on the step are graph conditionals with static shapes on e
   bytes on the wire); with ``"allgather"`` the leader contributes its k indices and the others none
   to an allgather (same result; one op whatever the number of ranks, a broadcast's bytes, and
   Horovod fuses allgathers that are ready together, as it fuses allreduces, but never broadcasts).
-  Ranks whose step counters differ disagree on the leader: the broadcasts' roots then differ (an
-  error from Horovod), and the allreduce's count or the allgather's length shows other than one
-  leader (the same error on every rank).
+  Ranks whose step counters differ (by other than a multiple of the number of ranks) disagree on the
+  leader: the broadcasts' roots then differ (an error from Horovod), and the allreduce's count or the
+  allgather's length shows other than one leader (the same error on every rank).
 * the graph is the same on every rank, and ScaleCom's own collectives use ``ignore_name_scope``:
   Horovod keys collectives by node names, which carry counters of the functions TF inlines.
 * pipelined (``pipelined=True``): the leader of step t + 1 selects its top-k from this step's
@@ -651,6 +651,8 @@ class ScaleCom(tf.Module, Compressor):
                                     f"got dtype {memory.dtype}")
                 check_size(name, "memory", memory, slot.numel, "variable")
                 memory = memory.reshape(-1).astype(slot.memory.dtype.as_numpy_dtype)
+                if not np.isfinite(memory).all():  # (a memory never absorbs one: none could heal)
+                    raise ValueError(f"state memory of {name!r} holds non-finite entries")
             memories[name] = memory
             if "next_indices" in entry:
                 ahead[name] = check_next_indices(name, entry["next_indices"], slot.k, slot.numel,

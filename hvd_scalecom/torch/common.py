@@ -75,8 +75,8 @@ def check_process_set(process_set):
 
 def check_state_entry(name, entry, numel, tensors, step=True):
     """One parameter's entry of a saved state: a dict whose ``step`` (if ``step``) is an int >= 0 and
-    whose ``tensors`` are None or floating-point tensors of ``numel`` entries; else TypeError or
-    ValueError naming the parameter."""
+    whose ``tensors`` are None or finite floating-point tensors of ``numel`` entries; else TypeError
+    or ValueError naming the parameter."""
     if not isinstance(entry, dict):
         raise TypeError(f"state entry of {name!r} must be a dict, got {type(entry).__name__}")
     if step:
@@ -90,6 +90,8 @@ def check_state_entry(name, entry, numel, tensors, step=True):
                             f"got {type(value).__name__} {getattr(value, 'dtype', '')}".rstrip())
         if value.numel() != numel:
             raise ValueError(f"state {key} of {name!r} has {value.numel()} entries, the parameter {numel}")
+        if not bool(torch.isfinite(value).all()):  # (a memory never absorbs one: none could heal)
+            raise ValueError(f"state {key} of {name!r} holds non-finite entries")
 
 
 def as_memory_of(saved, param):
