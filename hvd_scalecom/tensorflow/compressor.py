@@ -650,7 +650,8 @@ class ScaleCom(tf.Module, Compressor):
                     raise TypeError(f"state memory of {name!r} must hold floating-point numbers, "
                                     f"got dtype {memory.dtype}")
                 check_size(name, "memory", memory, slot.numel, "variable")
-                memory = memory.reshape(-1).astype(slot.memory.dtype.as_numpy_dtype)
+                with np.errstate(over="ignore"):  # (a value beyond the dtype's range is refused next)
+                    memory = memory.reshape(-1).astype(slot.memory.dtype.as_numpy_dtype)
                 if not np.isfinite(memory).all():  # (a memory never absorbs one: none could heal)
                     raise ValueError(f"state memory of {name!r} holds non-finite entries")
             memories[name] = memory
