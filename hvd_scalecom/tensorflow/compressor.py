@@ -422,7 +422,7 @@ class ScaleCom(tf.Module, Compressor):
             f"ScaleCom: the index exchange of {slot.name} found this many leaders of the step, not one:",
             leaders, "the step counters of the ranks differ (restore every rank from a state of the same step)"])
         with tf.control_dependencies([check]):  # (an allgather's are padded to at least k)
-            return tf.ensure_shape(tf.identity(indices), [slot.k])
+            return tf.ensure_shape(indices, [slot.k])
 
     def _record(self, slot, row, compute_seconds, wait_seconds, compressed):
         seconds = tf.stack([compute_seconds, wait_seconds])
