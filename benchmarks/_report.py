@@ -1,6 +1,7 @@
 """Shared by the performance benchmarks: timing side by side, and one section of a markdown file each.
 
-``docs/performance.md`` is written by two benchmarks (``kernels`` and ``slow_link``); each owns the
+``docs/performance.md`` has a section from each of ``kernels``, ``per_tensor``, ``gpu_kernels``,
+``slow_link`` and ``sketch_kernels``; each owns the
 text between its ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` markers and leaves the rest alone.
 """
 

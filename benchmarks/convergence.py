@@ -1,7 +1,7 @@
 """Convergence of ScaleCom and the schemes it is compared with, on two real tasks, at 4, 16 and 64
 simulated workers; write docs/convergence.md, its figures and docs/convergence.json.
 
-    .venv/bin/python -m benchmarks.convergence                 # everything (about 30-40 CPU minutes)
+    .venv/bin/python -m benchmarks.convergence                 # everything (about 50 CPU minutes, an hour)
     .venv/bin/python -m benchmarks.convergence --smoke         # tiny: dense and ScaleCom, n = 4, 8 steps
     .venv/bin/python -m benchmarks.convergence --report-only   # markdown and figures from the JSON
     .venv/bin/python -m benchmarks.convergence --resume        # reuse finished runs of the JSON

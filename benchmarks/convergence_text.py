@@ -217,7 +217,7 @@ def analysis(results, crit):
     if all(p and m for _, p, m in pipelined):
         lines.append(
             "* **Pipelined indices.** With `pipelined=True` (each step uses the indices "
-            "the leader selected a step earlier, which takes the index broadcast out of the backward "
+            "the leader selected a step earlier, which takes the index exchange out of the backward "
             "pass; see docs/performance.md) ScaleCom at n = 64, seed 0, reaches "
             + " and ".join(f"{rep.with_overlap(p)} on {task} (not pipelined: {rep.with_overlap(m)})"
                            for task, p, m in pipelined)
@@ -287,7 +287,7 @@ def analysis(results, crit):
         "* One recipe for all schemes was chosen on dense SGD and the ScaleCom defaults; schemes "
         "with their own optimal learning rates (random-k, Sketched SGD) would do better with their "
         "own tuning.",
-        "* Bytes are counted, not timed: latency, the leader's index broadcast on the critical path "
+        "* Bytes are counted, not timed: latency, the exchange of the leader's indices on the critical path "
         "and compute are not in these figures.",
     ]
     return lines
