@@ -330,6 +330,41 @@ def test_a_checkpoint_restore_rolls_the_statistics_back_with_the_steps():
     assert one_rank(code, "SAME ") == ["SAME true 2 24000"]
 
 
+def test_a_checkpoint_restores_only_into_a_scalecom_built_alike():
+    """Memories are saved by position among the compressed variables: restored into another
+    min_numel they would go to other variables (here one of the same shape), into another ratio,
+    beta or mode they would feed other equations. Each such restore raises ValueError naming what
+    differs and leaves the memories and counters as they were; one built alike restores them."""
+    code = ("import numpy as np, tensorflow as tf, horovod.tensorflow as hvd\n"
+            "from hvd_scalecom.tensorflow import ScaleCom\n"
+            "hvd.init()\n"
+            "variables = [tf.Variable(tf.zeros([n])) for n in (2000, 3000, 2000)]\n"
+            "def built(**changed):\n"
+            "    return ScaleCom(variables, **{'ratio': 0.05, 'min_numel': 1000, **changed})\n"
+            "saved = built()\n"
+            "for t in range(3):\n"
+            "    for v in variables:\n"
+            "        grad = tf.constant(np.random.default_rng(t).standard_normal(v.shape), tf.float32)\n"
+            "        saved.decompress(*saved.compress(grad))\n"
+            "path = tf.train.Checkpoint(compression=saved).write(__import__('tempfile').mkdtemp() + '/ckpt')\n"
+            "for changed in ({'min_numel': 2500}, {'ratio': 0.01}, {'beta': 0.5}, {'pipelined': True}, {}):\n"
+            "    other = built(**changed)\n"
+            "    for m in other.memories: m.assign(tf.fill(m.shape, 7.0))\n"
+            "    try:\n"
+            "        tf.train.Checkpoint(compression=other).read(path).assert_consumed()\n"
+            "        print('RESTORED', changed, all(np.array_equal(a.numpy(), b.numpy()) and a.numpy().any()\n"
+            "              for a, b in zip(saved.memories, other.memories)), [int(s) for s in other.steps])\n"
+            "    except ValueError as e:\n"
+            "        kept = all((m.numpy() == 7).all() for m in other.memories)\n"
+            "        print('REFUSED', str(e).split(': ', 2)[-1], kept, [int(s) for s in other.steps])\n")
+    assert one_rank(code, "RESTORED ", "REFUSED ") == [
+        "REFUSED min_numel 1000, 2500 True [0, 0, 0]",
+        "REFUSED ratio 0.05, 0.01 True [0, 0, 0]",
+        "REFUSED beta 0.1, 0.5 True [0, 0, 0]",
+        "REFUSED pipelined False, True True [0, 0, 0]",
+        "RESTORED {} True [3, 3, 3]"]
+
+
 def test_a_keras_model_with_the_distributed_optimizer_saves_and_loads_as_documented(tmp_path):
     """model.save works; load_model(compile=False) gives the same weights, and the model trains
     again once compiled with a new DistributedOptimizer. The loss reads the outputs as logits: read

@@ -47,6 +47,7 @@ variable of a group is compressed; ``sparse_as_dense=True`` for embeddings).
 
 import contextlib
 import itertools
+import json
 import math
 import weakref
 
@@ -54,6 +55,7 @@ import numpy as np
 import tensorflow as tf
 import horovod.tensorflow as hvd
 from horovod.tensorflow.compression import Compressor
+from tensorflow.python.trackable.base import Trackable
 
 from hvd_scalecom import agreement
 from hvd_scalecom.config import (HOROVOD_VALUE_DTYPES, INDEX_DTYPES, ScaleComConfig, check_dtype_name,
@@ -117,7 +119,8 @@ class ScaleCom(tf.Module, Compressor):
             ScaleCom reduces warm-up steps densely itself, with this op.
 
     Create it eagerly (outside ``tf.function``), before the first step. ``tf.train.Checkpoint``
-    tracks the residue memories and step counters (``compression=scalecom``).
+    tracks the residue memories and step counters (``compression=scalecom``), and the configuration,
+    which a restore checks first.
 
     At its first ``compress`` (the first step, traced or eager) every rank compares its arguments
     and the number, order, shapes and dtypes of its variables with every other rank's, and all
@@ -177,8 +180,12 @@ class ScaleCom(tf.Module, Compressor):
             slots.append(slot)
         self._slots = tuple(slots)
         self._by_name = {s.name: s for s in slots}
-        # What tf.train.Checkpoint saves: memories of compressible variables, every step counter, the
-        # statistics' tallies (a restore then rolls them back with the steps).
+        # What tf.train.Checkpoint saves: the configuration, checked first at a restore (its name sorts
+        # before the variables', which a restore into another configuration then leaves unchanged),
+        # memories of compressible variables, every step counter, the statistics' tallies (a restore
+        # then rolls them back with the steps).
+        self.configuration = _SavedConfiguration(
+            {**config.as_dict(), "variables": [[s.dtype.name, list(s.shape)] for s in slots]})
         self.memories = [s.memory for s in slots if s.compressible]
         self.steps = [s.step for s in slots]
         self.statistics = [v for s in slots for v in (s.tally, s.nonfinite, s.timing)]
@@ -677,6 +684,28 @@ class ScaleCom(tf.Module, Compressor):
         self._cursor_graph = None
         self._cursor = 0
         self._in_flight.clear()
+
+
+class _SavedConfiguration(Trackable):
+    """ScaleCom's configuration and variables' dtypes and shapes in a ``tf.train.Checkpoint``: a
+    restore into a ScaleCom built otherwise raises ValueError (as ``load_state_dict`` does), where
+    memories would otherwise go, matched by position, to other variables or into other equations."""
+
+    def __init__(self, summary):
+        self.summary = summary
+
+    def _serialize_to_tensors(self):
+        return {"json": tf.constant(json.dumps(self.summary, sort_keys=True))}
+
+    def _restore_from_tensors(self, restored_tensors):
+        saved = json.loads(restored_tensors["json"].numpy().decode())
+        if saved != self.summary:
+            differ = {key: (saved.get(key), self.summary.get(key))
+                      for key in sorted(set(saved) | set(self.summary)) if saved.get(key) != self.summary.get(key)}
+            raise ValueError("ScaleCom: the checkpoint was saved by a ScaleCom built otherwise; restore it "
+                             "into one built alike (saved, this one): " +
+                             ", ".join(f"{key} {was!r}, {now!r}" for key, (was, now) in differ.items()))
+        return tf.no_op()
 
 
 def _graph_of(tensor):
