@@ -83,7 +83,8 @@ class QsparseReference:
     ``local_steps``-th step ends with a synchronisation: per tensor of at least ``min_numel`` entries,
     ``delta_i = m_i + x_i - x_last``, ``c_i = Q(Top_k(delta_i))``, ``m_i = delta_i - c_i``,
     ``x_new = x_last + mean_i c_i``; smaller tensors average, ``x_new = mean_i x_i``; every worker
-    restarts from ``x_new``. Q: ``top_k`` (the values), ``sign_top_k`` (``||v||_1 / k sign(v)``) or
+    restarts from ``x_new`` (a worker whose delta is not finite sends NaN, and a non-finite sum leaves
+    every memory as it was). Q: ``top_k`` (the values), ``sign_top_k`` (``||v||_1 / k sign(v)``) or
     ``qsgd_top_k`` (QSGD with s = ``levels``, divided by ``1 + min(k / s^2, sqrt(k) / s)``), whose
     uniform draws come, per synchronisation and compressed tensor in order, as ``n x k`` draws of a
     ``torch.Generator`` seeded with ``seed`` (rank i's row, in the order of its ascending indices).
@@ -124,14 +125,20 @@ class QsparseReference:
                 k = selected_count(self.ratio, numel, self.max_k)
                 noise = (torch.rand(self.n, k, generator=self.generator).numpy().astype(np.float64)
                          if self.operator == "qsgd_top_k" else None)
-                total = np.zeros(numel)
+                total, memories = np.zeros(numel), []
                 for i in range(self.n):
                     delta = self.memory[i][m] + self.local[i][m] - self.shared[m]
-                    chosen = np.sort(np.argsort(-np.abs(delta), kind="stable")[:k])
+                    magnitude = np.where(np.isnan(delta), np.inf, np.abs(delta))  # (NaN first, as torch.topk)
+                    chosen = np.sort(np.argsort(-magnitude, kind="stable")[:k])
                     c = self._quantise(delta[chosen], None if noise is None else noise[i])
-                    self.memory[i][m] = delta.copy()
-                    self.memory[i][m][chosen] -= c
+                    if not np.isfinite(delta).all():
+                        c = np.full(k, np.nan)  # a worker with a non-finite delta sends NaN
+                    memories.append(delta.copy())
+                    memories[i][chosen] -= c
                     total[chosen] += c
+                if np.isfinite(total).all():  # else every worker keeps its memory
+                    for i in range(self.n):
+                        self.memory[i][m] = memories[i]
                 new = self.shared[m] + total / self.n
             self.shared[m] = new
             for i in range(self.n):

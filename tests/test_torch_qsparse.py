@@ -58,6 +58,10 @@ FLOAT64_TOP_K = {"operator": "top_k", "local_steps": 2, "ratio": 0.05, "min_nume
                  "dtype": "float64"}
 for part, opts in (("qsparse_one_rank_sign", ONE_RANK_SIGN), ("qsparse_float64_top_k", FLOAT64_TOP_K)):
     add_run("np1", part, "torch_seed_qsparse.py", opts, ["test_one_rank_and_float64_parameters_match_the_simulator"])
+NAN = {"operator": "sign_top_k", "local_steps": 2, "ratio": 0.05, "min_numel": 600, "steps": 4,
+       "nan_at": [[3, 1, "hidden.weight"]]}
+add_run("np2_first", "qsparse_nan", "torch_seed_qsparse.py", NAN,
+        ["test_a_nan_in_one_ranks_model_reaches_every_rank_and_no_memory"])
 BF16_QSGD = {**QSGD_OPTS, "local_steps": 2, "steps": 5, "dtype": "bfloat16"}
 add_run("np2_first", "qsparse_bf16", "torch_seed_qsparse.py", BF16_QSGD,
         ["test_bf16_parameters_synchronise_through_an_fp32_model_as_the_simulator_does"])
@@ -234,6 +238,31 @@ def test_one_rank_and_float64_parameters_match_the_simulator(request, tmp_path_f
     assert np.count_nonzero(updates[1]["hidden.weight"].numpy()) == 154
     stats = json.loads(str(wide[0]["stats/1"]))
     assert (stats["index_bytes"], stats["value_bytes"]) == (4 * (154 + 32), 8 * (154 + 32))
+
+
+def test_a_nan_in_one_ranks_model_reaches_every_rank_and_no_memory(request, tmp_path_factory):
+    """np=2, SignTopK, H = 2: rank 1's gradient of hidden.weight has a NaN at step 3, a synchronisation.
+    Rank 1 sends NaN for that tensor (its scale), so x_new carries NaN on both ranks, as model averaging
+    would, and both keep their memory of it from step 1 (counted in nonfinite_skips); out.weight
+    synchronises as usual. Step by step as the simulator and the reference."""
+    results = completed(shared_job("np2_first", request, tmp_path_factory), "qsparse_nan", 2)
+    assert np.isnan(results[1]["raw/3/hidden.weight"].reshape(-1)[7])
+    sim = simulator(NAN, 2)
+    replay(sim, results, 4)
+    assert sim.scheme.nonfinite_skips == 1
+    ref = reference(NAN, 2)
+    follow(ref, results, 4)
+    check_synchronised(results, 3)
+    assert np.isnan(results[0]["local/3/hidden.weight"]).sum() == 154  # rank 1's k indices
+    assert np.isfinite(results[0]["local/3/out.weight"]).all()
+    for rank, r in enumerate(results):
+        np.testing.assert_array_equal(r["memory/3/hidden.weight"], r["memory/1/hidden.weight"])
+        assert not np.array_equal(r["memory/3/out.weight"], r["memory/1/out.weight"])
+        for n in ("hidden.weight", "out.weight"):
+            assert np.isfinite(r[f"memory/3/{n}"]).all()
+            np.testing.assert_allclose(r[f"memory/3/{n}"].reshape(-1), ref.memory[rank][n], rtol=1e-5, atol=1e-6)
+            np.testing.assert_array_equal(r[f"memory/3/{n}"].reshape(-1), sim.scheme.state[n]["memory"][rank])
+        assert [json.loads(str(r[f"stats/{t}"]))["nonfinite_skips"] for t in range(4)] == [0, 0, 0, 1]
 
 
 def test_bf16_parameters_synchronise_through_an_fp32_model_as_the_simulator_does(request, tmp_path_factory):
@@ -421,6 +450,21 @@ def test_state_dict_round_trip_and_checks():
     with pytest.raises(ValueError, match="generator"):  # checked before anything changes
         wrapped.load_state_dict(short)
     assert wrapped.state_dict()["qsparse_local_sgd"]["step"] == 0
+    for key, value, error, match in (("last_sync", "yesterday", TypeError, "state last_sync must be an int"),
+                                     ("last_sync", -7, ValueError, "state last_sync must be >= 0"),
+                                     ("last_sync", 7, ValueError, "synchronisation step before step 6"),
+                                     ("last_sync", 2, ValueError, r"\(local_steps 4\), got 2"),
+                                     ("step", 2 ** 63 + 5, ValueError, "state step must be below 2\\*\\*63")):
+        with pytest.raises(error, match=match):
+            wrapped.load_state_dict({**state, "qsparse_local_sgd": {**mine, key: value}})
+        assert wrapped.state_dict()["qsparse_local_sgd"]["step"] == 0
+    wrapped.load_state_dict({**state, "qsparse_local_sgd": {**mine, "last_sync": 3}})
+    assert wrapped.stats()["step"] == 3
+    wrapped.load_state_dict(state)
+    # torch's load_state_dict gives the wrapped optimizer new param_groups: a scheduler (or a hand-made
+    # warm-up) changing the wrapper's learning rate must still reach the optimizer that steps
+    torch.optim.lr_scheduler.LambdaLR(wrapped, lambda epoch: 0.5)  # (sets the lr of epoch 0)
+    assert wrapped.param_groups is optimizer.param_groups and optimizer.param_groups[0]["lr"] == 0.05
     wrapped.load_state_dict(state)
     restored = wrapped.state_dict()["qsparse_local_sgd"]
     assert restored["step"] == 6

@@ -11,6 +11,9 @@ SGD when ``mu = 0``). Every H-th step, per tensor:
 3. ``m_i <- delta_i - c_i``
 4. ``x_new = x_last + mean_i c_i``; every worker restarts from ``x_new``
 
+A worker whose ``delta_i`` is not finite sends NaN, so ``mean_i c_i`` is not finite: ``x_new`` carries it
+and every worker keeps its memory (counted in ``nonfinite_skips``), as on Horovod.
+
 Bits, as the paper counts them per worker and synchronisation (uncoded; the authors' code moved the
 sparse tensor in a dense allreduce, so the savings were accounted, not realised): each kept entry's
 index ``ceil(log2 numel)`` bits; its value 32 bits (TopK), 1 sign bit (SignTopK) or 1 sign bit plus
@@ -34,7 +37,7 @@ from hvd_scalecom.config import ScaleComConfig, check_real
 from hvd_scalecom.sim.base import Scheme
 from hvd_scalecom.sim.traffic import StepRecord
 from hvd_scalecom.torch import clt_k
-from hvd_scalecom.torch.qsparse_steps import compress_delta, mean_of_sparse
+from hvd_scalecom.torch.qsparse_steps import compress_delta, mean_of_sparse, memory_kept
 
 OPERATORS = QSPARSE_OPERATORS
 
@@ -53,6 +56,7 @@ class QsparseLocalSGD(Scheme):
 
     name = "qsparse_local_sgd"
     kind = "model"
+    nonfinite_skips = 0  # compressed tensor-synchronisations whose memory update a non-finite mean skipped
 
     def __init__(self, lr, local_steps=8, ratio=0.01, *, max_k=None, operator="sign_top_k", levels=256,
                  momentum=0.0, min_numel=0, seed=0):
@@ -134,8 +138,13 @@ class QsparseLocalSGD(Scheme):
         noise = None
         if self.operator == "qsgd_top_k":  # one uniform per kept entry, (n, k), only for QSGD
             noise = torch.rand(n, k, generator=self.generator).to(drift.device)
-        indices, _, _, c, self.state[spec.name]["memory"] = compress_delta(
+        indices, _, _, c, new_memory = compress_delta(
             M, drift, k, self.operator, self.levels, noise, self.settings.level_dtype())  # steps 1-3, every row
+        change = mean_of_sparse(indices, c, numel, n)                             # mean_i c_i
+        if memory_kept(change):
+            self.nonfinite_skips += 1
+        else:
+            self.state[spec.name]["memory"] = new_memory
         if self.operator == "top_k":
             value_bits = 32 * k
         elif self.operator == "sign_top_k":
@@ -144,7 +153,7 @@ class QsparseLocalSGD(Scheme):
             value_bits = k * (1 + math.ceil(math.log2(self.levels + 1))) + 32
         record.add_bits("allgather", "index", spec.name, k * max(1, math.ceil(math.log2(numel))))
         record.add_bits("allgather", "value", spec.name, value_bits)
-        return mean_of_sparse(indices, c, numel, n)                               # mean_i c_i
+        return change
 
     def describe(self):
         return {"config": self.config.as_dict(), "local_steps": self.local_steps,

@@ -9,7 +9,8 @@ step (``local_steps``) ends with a synchronisation, per tensor, with the equatio
 2. every rank's ``(I_i, c_i)`` in their wire form travel in one ``allgather`` of bytes
    (``allgather.qsparse_local_sgd.payload``), all tensors packed together
 3. ``x_new = x_last + mean_i c_i`` (summed in rank order, so identical on every rank); every rank
-   restarts from ``x_new``
+   restarts from ``x_new``. A rank whose ``delta_i`` is not finite sends NaN: ``x_new`` carries it and
+   every rank keeps its memory of that tensor (``stats()["nonfinite_skips"]``), as in the simulator.
 
 Tensors below ``min_numel`` are averaged densely instead (``x_new = mean_i x_i``, one grouped
 allreduce, ``qsparse_local_sgd.dense``). The wrapped optimizer's own state (momentum buffers, Adam
@@ -45,7 +46,7 @@ from hvd_scalecom.torch import clt_k
 from hvd_scalecom.config import check_int
 from hvd_scalecom.torch.common import (as_memory_of, check_agreement, check_process_set, check_state_entry,
                                        named_parameter_list, stall_times, tensors_digest, wire_dtype)
-from hvd_scalecom.torch.qsparse_steps import compress_delta, decode, mean_of_sparse, payload_dtypes
+from hvd_scalecom.torch.qsparse_steps import compress_delta, decode, mean_of_sparse, memory_kept, payload_dtypes
 from hvd_scalecom.traffic import TrafficMeter, allgather_bytes_sent, allreduce_bytes_sent
 
 PAYLOAD_NAME = "qsparse_local_sgd.payload"
@@ -109,7 +110,6 @@ class QsparseLocalSGD(torch.optim.Optimizer):
                              f"named_parameters: they would train without ever being synchronised")
         pairs = [(n, p) for n, p in pairs if id(p) in optimized]
         self.optimizer = optimizer
-        self.param_groups = optimizer.param_groups
         self._names = [n for n, _ in pairs]
         self._params = [p for _, p in pairs]
         self._process_set = check_process_set(process_set)
@@ -119,9 +119,14 @@ class QsparseLocalSGD(torch.optim.Optimizer):
         self._generator = torch.Generator().manual_seed(self.config.seed)
         self._agreed = False
         self._last_sync = None
+        self.nonfinite_skips = 0  # compressed tensor-synchronisations whose memory update a non-finite mean skipped
         self.traffic = TrafficMeter(keep=4 * self.config.local_steps)  # the last five synchronisations
 
     # -- torch.optim.Optimizer interface -----------------------------------------------------------
+
+    @property
+    def param_groups(self):  # (the wrapped optimizer's, also once its load_state_dict replaced them)
+        return self.optimizer.param_groups
 
     @property
     def state(self):
@@ -178,7 +183,8 @@ class QsparseLocalSGD(torch.optim.Optimizer):
         synchronisation; bfloat16 as the float32 Horovod would take), ``ratio``,
         ``compress_seconds`` (compression and decoding), ``index_wait_seconds`` (0), ``tensors``;
         ``wire_bytes``: what this rank sends in the ring collectives, ``(n - 1) (index + value) +
-        2 (n - 1) / n dense``; ``total``: all steps.
+        2 (n - 1) / n dense``; ``nonfinite_skips``: compressed tensor-synchronisations whose memory
+        update a non-finite mean skipped, over all steps; ``total``: all steps.
         """
         explicit = step is not None  # (a default step is never refused)
         if step is None:
@@ -187,6 +193,7 @@ class QsparseLocalSGD(torch.optim.Optimizer):
         n = self._size()
         out["wire_bytes"] = self._wire(out, n)
         out["step"] = step
+        out["nonfinite_skips"] = self.nonfinite_skips
         out["total"] = self.traffic.total.as_dict()
         out["total"]["wire_bytes"] = self._wire(out["total"], n)
         return out
@@ -213,7 +220,13 @@ class QsparseLocalSGD(torch.optim.Optimizer):
         if mine.get("config") != self.config.as_dict():
             raise ValueError(f"state was saved with config {mine.get('config')}, this QsparseLocalSGD has "
                              f"{self.config.as_dict()}")
-        check_int(mine.get("step"), "state step", 0)
+        step = check_int(mine.get("step"), "state step", 0)
+        if step >= 2 ** 63:
+            raise ValueError(f"state step must be below 2**63 (the payload's int64 header), got {step}")
+        last_sync = check_int(mine.get("last_sync"), "state last_sync", 0, allow_none=True)
+        if last_sync is not None and not (last_sync < step and self.config.is_sync_step(last_sync)):
+            raise ValueError(f"state last_sync must be None or a synchronisation step before step {step} "
+                             f"(local_steps {self.config.local_steps}), got {last_sync}")
         generator = mine.get("generator")
         if not (isinstance(generator, torch.Tensor) and generator.dtype == torch.uint8):
             raise TypeError(f"state generator must be a torch.ByteTensor (Generator.get_state()), "
@@ -236,8 +249,8 @@ class QsparseLocalSGD(torch.optim.Optimizer):
             raise ValueError("state holds x_last of some parameters but not of others")
         inner = {k: v for k, v in state_dict.items() if k != _STATE_KEY}
         self.optimizer.load_state_dict(inner)
-        self._step = int(mine["step"])
-        self._last_sync = mine.get("last_sync")
+        self._step = step
+        self._last_sync = last_sync
         # x_last and the memories as the first step makes them: fp32 at least, on the parameter's device
         if have_shared == {True}:
             self._shared = [as_memory_of(params[n]["shared"], p) for n, p in zip(self._names, self._params)]
@@ -331,8 +344,6 @@ class QsparseLocalSGD(torch.optim.Optimizer):
         except ValueError:
             self._generator.set_state(generator_state)
             raise
-        for i, memory in new_memory.items():
-            self._memory[i] = memory
         for i, k, index_dtype, scale_dtype, code_dtype in layout:
             indices, at = _take(gathered, at, k, index_dtype)
             scale = None
@@ -341,6 +352,10 @@ class QsparseLocalSGD(torch.optim.Optimizer):
             codes, at = _take(gathered, at, k, code_dtype)
             c = decode(scale, codes, cfg.operator, cfg.levels, dtype=self._shared[i].dtype)
             change = mean_of_sparse(indices, c, self._params[i].numel(), n)          # mean_i c_i
+            if memory_kept(change):  # (a rank sent NaN: x_new carries it, every memory stays)
+                self.nonfinite_skips += 1
+            else:
+                self._memory[i] = new_memory[i]
             self._shared[i].add_(change)                                             # x_new
             scale_bytes = 0 if scale_dtype is None else _itemsize(scale_dtype)
             sizes[i] = (k * _itemsize(index_dtype), scale_bytes + k * _itemsize(code_dtype))

@@ -10,6 +10,11 @@ Terms: ``x_i`` worker i's local model, ``x_last`` the shared model of the last s
 4. ``x_new = x_last + mean_i c_i``: the caller gathers every worker's ``(I_i, c_i)`` (:func:`encode`,
    :func:`decode`) and sums them (:func:`mean_of_sparse`)
 
+Non-finite steps, as ScaleCom's: a worker whose ``delta_i`` is not finite (anywhere) sends NaN (every
+``c_i`` entry), so ``mean_i c_i`` is not finite on every worker; then ``x_new`` carries it, as
+model averaging without compression would, and every worker keeps its memory (step 3 is skipped:
+the caller adopts the new memories only where the mean is finite, :func:`memory_kept`).
+
 What travels per worker and tensor (:func:`encode`): the k indices (sorted, int32 or int64), then
 
 * ``top_k``: the k values (in the memory's dtype: float32, float64 for float64 parameters; so is the
@@ -41,7 +46,8 @@ def compress_delta(memory, drift, k, operator, levels=256, noise=None, level_dty
     Returns ``(indices, scale, codes, c, new_memory)``: ``indices`` ``(rows, k)`` int64 in increasing
     order, the wire form ``scale`` ``(rows, 1)`` float32 or None and ``codes`` ``(rows, k)``,
     ``c = decode(...)``, and the memories of step 3, a new ``(rows, numel)`` tensor for the caller to
-    adopt (a Horovod rank does once every rank's payload has been checked).
+    adopt (a Horovod rank does once every rank's payload has been checked) unless :func:`memory_kept`.
+    A row whose ``delta_i`` is not finite sends NaN: its ``c_i``, its values or scale in the wire form.
     """
     rows, numel = drift.shape
     delta = clt_k.error_compensated(memory.view(-1), drift)                   # delta_i, flat
@@ -49,6 +55,12 @@ def compress_delta(memory, drift, k, operator, levels=256, noise=None, level_dty
     flat = flat_indices(indices, rows, numel)
     kept = delta.index_select(0, flat).view(rows, k)
     scale, codes = encode(kept, operator, levels, noise, level_dtype)
+    if not clt_k.all_finite(delta):  # (one read; the rows only then)
+        finite = torch.isfinite(delta.view(rows, numel)).all(dim=1, keepdim=True)
+        if scale is None:
+            codes = codes.masked_fill(~finite, float("nan"))
+        else:
+            scale = scale.masked_fill(~finite, float("nan"))
     c = decode(scale, codes, operator, levels)
     delta.index_copy_(0, flat, (kept - c).reshape(-1))                         # m_i = delta_i - c_i
     return indices, scale, codes, c, delta.view(rows, numel)
@@ -78,6 +90,12 @@ def decode(scale, codes, operator, levels=256, dtype=torch.float32):
         return scale * signs
     # qsgd: ||v||_2 * sign(v) * xi / s, then the contraction 1 / (1 + beta_{k,s}), in qsgd()'s order
     return scale * torch.sign(signs) * signs.abs() / levels * qsgd_scale(codes.shape[-1], levels)
+
+
+def memory_kept(mean):
+    """Whether step 3 is skipped on every worker: ``mean_i c_i`` is not finite (a worker sent NaN, or
+    the sum overflowed), so no memory takes the new one in."""
+    return not clt_k.all_finite(mean)
 
 
 def mean_of_sparse(indices, c, numel, n):

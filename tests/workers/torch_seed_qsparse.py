@@ -3,7 +3,9 @@ horovodrun.
 
 argv: JSON options, output directory. Writes ``rank<R>.npz`` with, per step t and parameter name,
 ``raw/<t>/<name>`` (this rank's gradient at its local weights), ``local/<t>/<name>`` (its weights after
-``step()``), ``stats/<t>`` (``stats(step=t)`` as JSON), ``final/<name>`` and ``stats`` (``stats()``).
+``step()``), ``stats/<t>`` (``stats(step=t)`` as JSON), ``final/<name>`` and ``stats`` (``stats()``);
+with ``nan_at`` (``[step, rank, name]`` triples), entry 7 of that rank's gradient of ``name`` is NaN at that
+step, and ``memory/<t>/<name>`` holds the error memories after every step (absent: none yet).
 """
 
 import copy
@@ -71,6 +73,7 @@ def as_numpy(tensor):
     return (tensor.float() if tensor.dtype is torch.bfloat16 else tensor).numpy().copy()
 
 
+nan_at = {(t, r): name for t, r, name in opts.get("nan_at", [])}
 record = {}
 first_step = opts.get("first_step", 0)
 for t in range(first_step, first_step + opts.get("steps", 6)):
@@ -83,6 +86,8 @@ for t in range(first_step, first_step + opts.get("steps", 6)):
     y = torch.randint(0, 10, (16,), generator=data_gen)
     optimizer.zero_grad()
     torch.nn.functional.cross_entropy(model(x), y).backward()
+    if (t, rank) in nan_at:
+        dict(named)[nan_at[t, rank]].grad.view(-1)[7] = float("nan")
     for name, p in named:
         record[f"raw/{t}/{name}"] = as_numpy(p.grad)
     if opts.get("reload", {}).get("catch"):  # the refused synchronisation, caught: what it left behind
@@ -98,6 +103,9 @@ for t in range(first_step, first_step + opts.get("steps", 6)):
         optimizer.step()
     for name, p in named:
         record[f"local/{t}/{name}"] = as_numpy(p)
+        memory = optimizer.state_dict()["qsparse_local_sgd"]["params"][name]["memory"] if nan_at else None
+        if memory is not None:
+            record[f"memory/{t}/{name}"] = as_numpy(memory)
     record[f"stats/{t}"] = np.array(json.dumps(optimizer.stats(step=t)))
 
 for name, p in named:
