@@ -84,6 +84,9 @@ def test_fp16_rounds_values_for_the_wire():
     assert_updates(results, expected, rtol=0, atol=0)
     exact = np.mean([g["w"] for g in grads[0]], axis=0)
     assert 0 < np.abs(results[0].update[0].numpy() - exact).max() < 1e-2  # fp16 really rounded
+    # Horovod sums the fp16 values, then divides: a sum beyond 65,504 is Inf, not a mean of 40,000
+    _, [wide] = simulate(FP16(), [[{n: np.full_like(g[n], 4e4) for n in NAMES} for g in grads[0]]])
+    assert np.isposinf(wide.update[0].numpy()).all()
 
 
 # -- ScaleCom ------------------------------------------------------------------------------------------
@@ -109,13 +112,14 @@ def test_scalecom_matches_paper_reference(beta, leader, warmup, value_dtype, pip
     assert np.count_nonzero(results[-1].update[0].numpy()) == 6  # k = ceil(0.2 * 30)
 
 
-@pytest.mark.parametrize("bad", ["inf off I", "nan", "fp16 overflow"])
+@pytest.mark.parametrize("bad", ["inf off I", "nan", "fp16 overflow", "fp16 sum overflow"])
 def test_scalecom_a_non_finite_mean_leaves_every_memory_as_it_was(bad):
     """As the Horovod compressor does: a worker whose gradient is not finite (anywhere, even off the
-    leader's indices) sends NaN, and a non-finite mean (that, or fp16 values that overflow) skips
-    every worker's memory update for that tensor; the update still carries the mean at I."""
+    leader's indices) sends NaN, and a non-finite mean (that, or fp16 values that overflow, or values
+    each within fp16's range whose sum is not: Horovod sums in fp16, then divides) skips every
+    worker's memory update for that tensor; the update still carries the mean at I."""
     grads = make_grads(steps=3)
-    value_dtype = "float16" if bad == "fp16 overflow" else None
+    value_dtype = "float16" if bad.startswith("fp16") else None
     scheme = ScaleCom(ratio=0.2, beta=0.5, min_numel=MIN_NUMEL, value_dtype=value_dtype)
     sim, _ = simulate(scheme, grads[:2])
     before = sim.scheme.state["w"]["memory"].clone()
@@ -126,8 +130,11 @@ def test_scalecom_a_non_finite_mean_leaves_every_memory_as_it_was(bad):
         last[1]["w"].reshape(-1)[[j for j in range(30) if j not in chosen][0]] = np.inf
     elif bad == "nan":
         last[3]["w"].reshape(-1)[chosen[0]] = np.nan
-    else:
+    elif bad == "fp16 overflow":
         last[2]["w"].reshape(-1)[chosen[0]] = 1e5  # beyond fp16's 65,504
+    else:
+        for worker in last:
+            worker["w"].reshape(-1)[chosen[0]] = 4e4  # within fp16's range; N of them are not
     result = sim.step([[torch.from_numpy(last[i][name]) for name in NAMES] for i in range(N)])
     assert torch.equal(sim.scheme.state["w"]["memory"], before)
     assert sim.scheme.nonfinite_skips == 1

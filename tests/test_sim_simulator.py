@@ -62,6 +62,25 @@ def test_bad_inputs_are_refused():
         sim.step_stacked([torch.zeros(3, *p.shape) for p in model.parameters()])
     with pytest.raises(TypeError):
         sim.step_stacked([torch.zeros(4, *p.shape, dtype=torch.int64) for p in model.parameters()])
+    # Simulator.step checks each worker's gradient before stacking them (where torch would promote an
+    # int64 gradient, or fail naming neither parameter nor worker)
+    rows = [[p.detach().clone() for p in model.parameters()] for _ in range(4)]
+    for worker, g, error, text in ((2, torch.zeros(5, 7), ValueError, r"'0.weight' from worker 2 has shape \(5, 7\)"),
+                                   (1, torch.zeros(7, 5, dtype=torch.int64), TypeError, "worker 1 is torch.int64"),
+                                   (3, torch.zeros(7, 5, dtype=torch.float64), TypeError,
+                                    "worker 3 is torch.float64, expected worker 0's dtype, torch.float32"),
+                                   (0, [0.0] * 35, TypeError, "a tensor or None, got list")):
+        with pytest.raises(error, match=text):
+            sim.step([row if i != worker else [g] + row[1:] for i, row in enumerate(rows)])
+    assert sim.step_count == 0
+    with pytest.raises(TypeError, match="diagnostics must be True or False"):
+        Simulator(Dense(), 4, model.named_parameters(), diagnostics="no")
+    local = Simulator(QsparseLocalSGD(lr=0.1, momentum=0.9), 4, model.named_parameters())
+    with pytest.raises(ValueError, match="worker 1 gave no gradient of '2.bias': a local optimizer with momentum"):
+        local.step([row if i != 1 else row[:3] + [None] for i, row in enumerate(rows)])
+    plain = Simulator(QsparseLocalSGD(lr=0.1), 4, model.named_parameters())  # no momentum: zeros, as skipped
+    plain.step([row if i != 1 else row[:3] + [None] for i, row in enumerate(rows)])
+    assert torch.equal(plain.worker_params()[3][1], model[2].bias.detach())
     scheme = ScaleCom(ratio=0.2, min_numel=0)
     first = Simulator(scheme, 4, model.named_parameters())
     first.step_stacked(stacked_grads(model, 4, 0))

@@ -36,9 +36,15 @@ class TensorSpec:
 
 
 def mean_over_workers(values):
-    """The allreduce-average of rows: summed in at least fp32, divided by n, back in the wire dtype."""
+    """The allreduce-average of rows: summed in at least fp32, divided by n, back in the wire dtype.
+    Horovod sums in the wire dtype before it divides, so a sum beyond fp16's range is Inf there: so
+    is it here (the sum's rounding is otherwise modelled as one, at the end)."""
     wide = values.to(clt_k.memory_dtype(values.dtype))
-    return (wide.sum(dim=0) / values.shape[0]).to(values.dtype)
+    summed = wide.sum(dim=0)
+    if wide.dtype != values.dtype:
+        narrow = summed.to(values.dtype)
+        summed = torch.where(torch.isinf(narrow), narrow.to(wide.dtype), summed)
+    return (summed / values.shape[0]).to(values.dtype)
 
 
 def public(diagnostics):

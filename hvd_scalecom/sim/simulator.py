@@ -90,6 +90,8 @@ class Simulator:
         self.params = [p for _, p in pairs]
         self.specs = [TensorSpec(i, name, tuple(p.shape), p.numel(), p.dtype)
                       for i, (name, p) in enumerate(pairs)]
+        if not isinstance(diagnostics, bool):
+            raise TypeError(f"diagnostics must be True or False, got {diagnostics!r}")
         self.n = n_workers
         self.scheme = scheme
         self.device = device
@@ -114,9 +116,14 @@ class Simulator:
         return [p.detach().unsqueeze(0).expand(self.n, *p.shape) for p in self.params]
 
     def step(self, grads_per_worker):
-        """One step from ``n`` lists of gradients (one tensor or ``None`` per parameter, in order)."""
+        """One step from ``n`` lists of gradients (one tensor or ``None`` per parameter, in order).
+
+        ``None`` counts as zeros, as Horovod's ``DistributedOptimizer`` reduces zeros for a parameter
+        without a gradient; not with a local optimizer's momentum (``QsparseLocalSGD``), which would
+        skip that parameter on Horovod and move it here (a ValueError)."""
         if len(grads_per_worker) != self.n:
             raise ValueError(f"expected gradients of {self.n} workers, got {len(grads_per_worker)}")
+        skips_missing = self.scheme.kind == "model" and getattr(self.scheme, "momentum", 0.0) != 0.0
         stacked = []
         for j, spec in enumerate(self.specs):
             rows = []
@@ -125,8 +132,22 @@ class Simulator:
                     raise ValueError(f"worker {i} gave {len(grads)} gradients for "
                                      f"{len(self.specs)} parameters")
                 g = grads[j]
-                rows.append(torch.zeros(spec.shape, dtype=spec.dtype, device=self._device_of(grads))
-                            if g is None else g.detach())
+                if g is None:
+                    if skips_missing:
+                        raise ValueError(f"worker {i} gave no gradient of {spec.name!r}: a local optimizer "
+                                         f"with momentum skips such a parameter on Horovod, which a zero "
+                                         f"gradient does not model; give every parameter a gradient")
+                    g = torch.zeros(spec.shape, dtype=spec.dtype, device=self._device_of(grads))
+                elif not isinstance(g, torch.Tensor):
+                    raise TypeError(f"gradient of {spec.name!r} from worker {i} must be a tensor or None, "
+                                    f"got {type(g).__name__}")
+                elif tuple(g.shape) != spec.shape:
+                    raise ValueError(f"gradient of {spec.name!r} from worker {i} has shape {tuple(g.shape)}, "
+                                     f"expected {spec.shape}")
+                elif not g.dtype.is_floating_point or (rows and g.dtype != rows[0].dtype):
+                    expected = "floating point" if not rows else f"worker 0's dtype, {rows[0].dtype}"
+                    raise TypeError(f"gradient of {spec.name!r} from worker {i} is {g.dtype}, expected {expected}")
+                rows.append(g.detach())
             stacked.append(torch.stack(rows))
         return self.step_stacked(stacked)
 

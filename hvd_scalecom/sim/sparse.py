@@ -43,7 +43,8 @@ class Dense(Scheme):
         return self.wire_dtype is not None
 
     def compress(self, spec, G, t, record, diagnostics):
-        """``mean_i cast(g_i)``: the allreduce modelled as one fp32 sum, rounded once to the wire dtype."""
+        """``mean_i cast(g_i)``: the allreduce modelled as one fp32 sum, rounded once to the wire dtype
+        (a sum beyond its range Inf, as Horovod's sum in that dtype)."""
         wire = self.sent_dtype(G)
         record.dense(spec.name, spec.numel, wire)
         return mean_over_workers(G.to(wire)).to(G.dtype)
