@@ -32,9 +32,10 @@ def residue_norm(compression):
         raise TypeError(f"compression must have a state_dict() (a ScaleCom), "
                         f"got {type(compression).__name__}")
     saved = state()
-    if not (isinstance(saved, dict) and isinstance(saved.get("params"), dict)):
-        raise TypeError(f"compression must be a ScaleCom (its state_dict() holds params), "
-                        f"got {type(compression).__name__}")
+    if not (isinstance(saved, dict) and isinstance(saved.get("params"), dict)
+            and all(isinstance(e, dict) and "memory" in e for e in saved["params"].values())):
+        raise TypeError(f"compression must be a ScaleCom (its state_dict() holds params, each with "
+                        f"a memory), got {type(compression).__name__}")
     total = 0.0
     for entry in saved["params"].values():
         memory = entry.get("memory")

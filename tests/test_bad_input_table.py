@@ -123,6 +123,7 @@ ROWS = [
     (torch_sketched, "seed", -1, ValueError, "seed"),
     (torch_sketched, "seed", None, TypeError, "seed"),
     (torch_sketched, "process_set", "all", TypeError, "process_set"),
+    (torch_sketched, "loss_scaler", 1024.0, TypeError, "loss_scaler"),
     (torch_sketched, "named_parameters", [], ValueError, "named_parameters is empty"),
     (torch_sketched, "named_parameters", [("a", torch.zeros(3)), ("a", torch.zeros(2))], ValueError,
      "'a' twice"),

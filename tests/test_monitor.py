@@ -62,3 +62,7 @@ def test_residue_norm_of_torch_scalecom():
     assert residue_norm(compression) == pytest.approx(expected, rel=1e-12)
     with pytest.raises(TypeError, match="compression"):
         residue_norm(object())
+    from hvd_scalecom.torch import SketchedSGD  # its state holds momentum and error, no memory
+
+    with pytest.raises(TypeError, match="compression must be a ScaleCom .* got SketchedSGD"):
+        residue_norm(SketchedSGD(model.named_parameters(), ratio=0.1, min_numel=100))

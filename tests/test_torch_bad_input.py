@@ -124,6 +124,52 @@ def test_stats_refuses_a_step_no_longer_kept_only_where_one_is_asked_for():
         compression.stats(step=2)
 
 
+class FixedScale:
+    """A loss scaler of a fixed scale (torch.amp.GradScaler's get_scale())."""
+
+    def __init__(self, scale):
+        self.scale = scale
+
+    def get_scale(self):
+        return self.scale
+
+
+def test_a_state_loads_with_or_without_a_loss_scaler_in_the_units_it_is_used_in():
+    """With a loss_scaler the memory is kept in the units of the current scale, without one unscaled:
+    a state saved with one (scale 2**16) and loaded without one is divided by its scale, and one saved
+    without a scaler and loaded with one is multiplied by the scale at the next step. Loaded into a
+    ScaleCom like its own it is unchanged."""
+    scale = 2.0 ** 16
+    param, scaled = one_rank_scalecom(4096, loss_scaler=FixedScale(scale))
+    other = torch.nn.Parameter(torch.zeros(4096))
+    unscaled = ScaleCom([("w", other)], ratio=0.01, min_numel=16)
+
+    def step(compression, p, grad):
+        p.grad = grad
+        return compression.decompress(*compression.compress(p.grad))
+
+    grads = [torch.randn(4096, generator=torch.Generator().manual_seed(t)) for t in range(3)]
+    for g in grads[:2]:
+        step(scaled, param, g * scale)
+        step(unscaled, other, g.clone())
+    saved_scaled, saved_unscaled = scaled.state_dict(), unscaled.state_dict()
+    memory = saved_unscaled["params"]["w"]["memory"]
+    assert saved_scaled["params"]["w"]["scale"] == scale and saved_unscaled["params"]["w"]["scale"] is None
+    torch.testing.assert_close(saved_scaled["params"]["w"]["memory"], memory * scale)  # (scale a power of 2)
+    unscaled.load_state_dict(saved_scaled)
+    assert torch.equal(unscaled.state_dict()["params"]["w"]["memory"], saved_scaled["params"]["w"]["memory"] / scale)
+    assert unscaled.state_dict()["params"]["w"]["scale"] is None
+    scaled.load_state_dict(saved_unscaled)
+    assert scaled.state_dict()["params"]["w"]["scale"] == 1.0
+    out_scaled = step(scaled, param, grads[2] * scale)
+    out_unscaled = step(unscaled, other, grads[2].clone())
+    torch.testing.assert_close(out_scaled, out_unscaled * scale)
+    torch.testing.assert_close(scaled.state_dict()["params"]["w"]["memory"],
+                               unscaled.state_dict()["params"]["w"]["memory"] * scale)
+    scaled.load_state_dict(saved_scaled)
+    assert torch.equal(scaled.state_dict()["params"]["w"]["memory"], saved_scaled["params"]["w"]["memory"])
+
+
 def test_a_parameter_that_changed_size_is_refused_before_anything_changes():
     """Its memory no longer fits the gradient (the C passes would read past one of them)."""
     param, compression = one_rank_scalecom(4096)

@@ -115,6 +115,12 @@ NAN = {**BASE, "warmup_steps": 1, "steps": 6,
        "nan_at": [[0, 0, "hidden.weight"], [2, 1, "hidden.weight"], [3, 0, "hidden.bias"]]}
 add_run("np2_first", "sketched_nan", "torch_seed_sketched.py", NAN,
         ["test_a_nan_in_one_ranks_gradient_skips_round_two_on_every_rank_and_is_not_kept"])
+SCALED = {**BASE, "warmup_steps": 1, "steps": 6, "loss_scales": [1024, 1024, 512, 512, 4096, 256]}
+add_run("np2_first", "sketched_loss_scaled", "torch_seed_sketched.py", SCALED,
+        ["test_momentum_and_error_follow_a_changing_loss_scale"])
+add_run("np2_first", "sketched_skewed_steps", "torch_seed_sketched.py",
+        {**BASE, "warmup_steps": 2, "steps": 2, "skew_steps": {"1": 3}},
+        ["test_ranks_resumed_from_states_of_different_steps_all_raise"])
 add_run("np2_first", "sketched_disagreeing", "torch_seed_sketched.py",
         {**BASE, "steps": 2, "per_rank": {"1": {"rows": 5}}},
         ["test_ranks_configured_differently_all_raise"], fails=True)
@@ -337,6 +343,26 @@ def test_bf16_gradients_travel_as_fp32_and_match_the_reference(request, tmp_path
     check_identical_weights(results)
 
 
+def test_momentum_and_error_follow_a_changing_loss_scale(request, tmp_path_factory):
+    """np=2, the loss scaled by 1024, 1024, 512, 512, 4096, 256 (powers of two: exact), loss_scaler=
+    following it, the reduced gradients divided by it as GradScaler does: every step, warm-up and
+    sketched, applies what the simulator and the reference apply on the unscaled gradients."""
+    results = completed(shared_job("np2_first", request, tmp_path_factory), "sketched_loss_scaled", 2)
+    replay(simulator(SCALED, 2), results, SCALED["steps"])
+    follow(reference(SCALED, 2), results, SCALED["steps"])
+    check_identical_weights(results)
+
+
+def test_ranks_resumed_from_states_of_different_steps_all_raise(request, tmp_path_factory):
+    """Rank 1 resumes from a state of step 3, rank 0 from the start (warm-up 2 steps: rank 0 would
+    reduce densely, rank 1 sketch): both raise the same error at the first step, naming the steps."""
+    results = completed(shared_job("np2_first", request, tmp_path_factory), "sketched_skewed_steps", 2)
+    for r in results:
+        assert "SketchedSGD is configured differently on different ranks (steps differ)" in str(r["refused"])
+        assert "restore every rank from a state of the same step" in str(r["refused"])
+        assert not any(key.startswith("applied/") for key in r)
+
+
 def test_ranks_configured_differently_all_raise(request, tmp_path_factory):
     job = shared_job("np2_first", request, tmp_path_factory)
     assert isinstance(job["error"], HorovodRunError) and not job["results"]["sketched_disagreeing"]
@@ -435,6 +461,17 @@ def test_load_state_dict_checks_before_changing_anything():
         assert restored["params"][name]["step"] == 3
         assert torch.equal(restored["params"][name]["momentum"], good["params"][name]["momentum"].float())
     assert torch.equal(restored["params"]["1.weight"]["error"], torch.full((60,), 0.25))  # (fp32)
+    assert restored["scale"] is None
+    with pytest.raises(ValueError, match="state scale must be a positive number or None, got -2"):
+        compression.load_state_dict({**good, "scale": -2.0})
+    # saved at loss scale 4 into one without a loss_scaler: unscaled; and back, as of scale 1
+    compression.load_state_dict({**good, "scale": 4.0})
+    unscaled = compression.state_dict()
+    assert unscaled["scale"] is None and torch.equal(unscaled["params"]["0.bias"]["momentum"], torch.full((30,), 0.125))
+    assert torch.equal(unscaled["params"]["1.weight"]["error"], torch.full((60,), 0.0625))
+    scaled = SketchedSGD(model.named_parameters(), ratio=0.1, min_numel=50, loss_scaler=torch.amp.GradScaler("cpu"))
+    scaled.load_state_dict(good)
+    assert scaled.state_dict()["scale"] == 1.0
 
 
 def test_tensor_that_is_no_parameters_gradient():

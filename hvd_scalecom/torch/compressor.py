@@ -344,7 +344,9 @@ class ScaleCom(Compressor):
         return {"config": self.config.as_dict(), "params": params}
 
     def load_state_dict(self, state):
-        """Restore what :meth:`state_dict` returned; checks everything before changing anything.
+        """Restore what :meth:`state_dict` returned; checks everything before changing anything. A
+        memory saved with a ``loss_scaler`` loads into a ScaleCom without one divided by its scale, one
+        saved without into one with a ``loss_scaler`` as of scale 1 (rescaled at the next step).
 
         An index exchange still open in Horovod for a tensor that it reduced without ``compress`` (a
         sparse gradient, say) is kept, whatever step the state restores: the next step completes it, as
@@ -360,8 +362,13 @@ class ScaleCom(Compressor):
                                           and math.isfinite(scale) and scale > 0):
                 raise ValueError(f"state scale of {name!r} must be a positive number or None, got {scale!r}")
             memory = entry.get("memory")
-            if memory is not None:
-                memory = as_memory_of(memory, param)
+            if memory is not None:  # in this ScaleCom's units: unscaled without a loss_scaler, else
+                memory = as_memory_of(memory, param)     # rescaled at the next step from those saved
+                if self._loss_scaler is None and scale is not None:
+                    memory.div_(scale)
+                    scale = None
+                elif self._loss_scaler is not None and scale is None:
+                    scale = 1.0  # (saved without a loss_scaler: unscaled)
             ahead = None
             if "next_indices" in entry:
                 t, indices = check_next_indices(

@@ -34,6 +34,7 @@ scales the applied update (the paper's ``v <- v + lr u`` with a constant learnin
 :meth:`SketchedSGD.check_optimizer` raises if it is not.
 """
 
+import math
 import time
 import warnings
 
@@ -86,6 +87,8 @@ class SketchedSGD(Compressor):
         min_numel: smaller tensors, and all vectors, are reduced densely (with momentum).
         seed: seed of the sketch's hashes.
         process_set: the Horovod process set the optimizer reduces over (default: all ranks).
+        loss_scaler: a ``torch.amp.GradScaler`` (anything with ``get_scale()``) when gradients are
+            loss-scaled: the momentum and error accumulation are rescaled whenever the scale changes.
 
     Example::
 
@@ -97,7 +100,7 @@ class SketchedSGD(Compressor):
     """
 
     def __init__(self, named_parameters, ratio=0.01, rows=5, columns=None, candidates=2, momentum=0.9,
-                 warmup_steps=0, min_numel=1024, *, seed=0, process_set=None):
+                 warmup_steps=0, min_numel=1024, *, seed=0, process_set=None, loss_scaler=None):
         self.config = SketchedSGDConfig(ratio=ratio, rows=rows, columns=columns, candidates=candidates,
                                         momentum=momentum, warmup_steps=warmup_steps,
                                         min_numel=min_numel, seed=seed)
@@ -106,6 +109,11 @@ class SketchedSGD(Compressor):
         self._params = [p for _, p in pairs]
         self._lookup = GradientLookup(self._params, self._names, "SketchedSGD")
         self._process_set = check_process_set(process_set)
+        if loss_scaler is not None and not callable(getattr(loss_scaler, "get_scale", None)):
+            raise TypeError(f"loss_scaler must have a get_scale() method (torch.amp.GradScaler), "
+                            f"got {type(loss_scaler).__name__}")
+        self._loss_scaler = loss_scaler
+        self._scale = None  # the loss scale u, v and the dense momenta are expressed in (loss_scaler)
         self._sketched = [i for i, p in enumerate(self._params) if self.config.is_sketched(p.shape)]
         self._offset = {}
         numel = 0
@@ -137,6 +145,7 @@ class SketchedSGD(Compressor):
         if not tensor.dtype.is_floating_point:
             raise TypeError(f"SketchedSGD compresses floating-point gradients; the gradient of "
                             f"{self._names[i]!r} is {tensor.dtype}")
+        self._rescale_state()
         if self._sketch is None and i in self._offset:  # (before any state changes)
             self._sketch = CountSketch(self.numel, self.config.rows, self.columns, seed=self.config.seed,
                                        device=tensor.device)
@@ -242,7 +251,8 @@ class SketchedSGD(Compressor):
 
     def state_dict(self):
         """Momentum ``u`` (every tensor), error accumulation ``v`` (sketched tensors) and step counters
-        by parameter name, and the configuration. Call it between steps."""
+        by parameter name, the configuration, and the loss scale they are expressed in (``scale``: None
+        without a ``loss_scaler``). Call it between steps."""
         if self._round is not None:
             raise RuntimeError("SketchedSGD.state_dict() in the middle of a step (between the "
                                "gradient hooks and optimizer.step())")
@@ -258,11 +268,17 @@ class SketchedSGD(Compressor):
             elif i in self._dense_u:
                 entry["momentum"] = self._dense_u[i].clone()
             params[name] = entry
-        return {"config": self.config.as_dict(), "params": params}
+        return {"config": self.config.as_dict(), "params": params, "scale": self._scale}
 
     def load_state_dict(self, state):
-        """Restore what :meth:`state_dict` returned; checks everything before changing anything."""
+        """Restore what :meth:`state_dict` returned; checks everything before changing anything. A
+        state saved with a ``loss_scaler`` loads into a SketchedSGD without one divided by its scale,
+        one saved without into one with a ``loss_scaler`` as of scale 1 (rescaled at the next step)."""
         params = checked_params(state, "SketchedSGD", self.config.as_dict(), self._names)
+        scale = state.get("scale")
+        if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
+                                      and math.isfinite(scale) and scale > 0):
+            raise ValueError(f"state scale must be a positive number or None, got {scale!r}")
         for i, name in enumerate(self._names):
             check_state_entry(name, params[name], self._params[i].numel(),
                               ("momentum", "error") if i in self._offset else ("momentum",),
@@ -286,6 +302,14 @@ class SketchedSGD(Compressor):
             self._v = torch.cat([e["error"].reshape(-1).to(dtype) for e in sketched]).to(device)
         else:
             self._u = self._v = None
+        buffers = [b for b in (self._u, self._v, *self._dense_u.values()) if b is not None]
+        if self._loss_scaler is None and scale is not None:  # (in this SketchedSGD's units)
+            for buffer in buffers:
+                buffer.div_(scale)
+            scale = None
+        elif self._loss_scaler is not None and scale is None and buffers:
+            scale = 1.0  # (saved without a loss_scaler: unscaled)
+        self._scale = scale
         self._round = None
         self._lookup.reset()
 
@@ -294,10 +318,13 @@ class SketchedSGD(Compressor):
     def _check_agreement(self):
         shapes = [(n, p.shape) for n, p in zip(self._names, self._params)]
         summary = {"scheme": "SketchedSGD", **self.config.as_dict(), "parameters": len(self._names),
-                   "parameter_digest": shapes_digest(shapes)}
+                   "parameter_digest": shapes_digest(shapes), "steps": sorted(set(self._steps))}
         check_agreement("SketchedSGD", summary, self._process_set,
                         {"parameter_digest": "(parameter_digest covers the names and shapes of "
-                                             "named_parameters.)"}, stall=stall_times())
+                                             "named_parameters.)",
+                         "steps": "(steps lists the parameters' distinct step counters, which decide "
+                                  "warm-up and which tensors a step sketches: restore every rank from a "
+                                  "state of the same step.)"}, stall=stall_times())
         self._agreed = True
 
     def _ps_kwargs(self):
@@ -311,6 +338,18 @@ class SketchedSGD(Compressor):
     def _not_yet_compressed(self, i):
         r = self._round
         return r is None or i not in r.compressed
+
+    def _rescale_state(self):
+        """Keep u, v and the dense momenta in the units of the current loss scale (gradients arrive
+        scaled); the scale changes between steps, so the first compress of a step rescales them all."""
+        if self._loss_scaler is None:
+            return
+        scale = float(self._loss_scaler.get_scale())
+        if self._scale is not None and scale != self._scale:
+            for buffer in (self._u, self._v, *self._dense_u.values()):
+                if buffer is not None:
+                    buffer.mul_(scale / self._scale)
+        self._scale = scale
 
     def _momentum_of(self, i, tensor):
         """The flat momentum of parameter ``i``: its slice of the sketched vector's, or its own."""

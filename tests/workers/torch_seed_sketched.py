@@ -3,7 +3,10 @@
 argv: JSON options, output directory. Writes ``rank<R>.npz`` with, per step t and parameter name,
 ``raw/<t>/<name>`` (this rank's gradient, computed apart so Horovod cannot touch it),
 ``applied/<t>/<name>`` (the gradient the optimizer applied), ``stats/<t>`` (``stats(step=t)`` as JSON),
-``final/<name>`` (weights) and ``stats`` (``stats()`` after the last step).
+``final/<name>`` (weights) and ``stats`` (``stats()`` after the last step). With ``skew_steps``
+(``{rank: step}``) those ranks start from a state of that step and ``refused`` holds the error of the
+first step; with ``loss_scales`` (one per step) the loss is scaled, ``loss_scaler=`` follows it, and the
+reduced gradients are divided by it before the step (``applied``: unscaled).
 """
 
 import json
@@ -43,10 +46,21 @@ if opts.get("dtype"):
     model = model.to(getattr(torch, opts["dtype"]))
 named = list(model.named_parameters())
 params = [p for _, p in named]
+
+
+class StepScale:
+    """The loss scale of the current step (as torch.amp.GradScaler's get_scale())."""
+    scale = 1.0
+
+    def get_scale(self):
+        return self.scale
+
+
+scaler = StepScale() if opts.get("loss_scales") else None
 compression = SketchedSGD(model.named_parameters(), ratio=opts.get("ratio", 0.02), rows=opts.get("rows", 3),
                           columns=opts.get("columns", 400), candidates=opts.get("candidates", 2),
                           momentum=opts.get("momentum", 0.9), warmup_steps=opts.get("warmup_steps", 0),
-                          min_numel=opts.get("min_numel", 600), seed=opts.get("seed", 0))
+                          min_numel=opts.get("min_numel", 600), seed=opts.get("seed", 0), loss_scaler=scaler)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=opts.get("optimizer_momentum", 0.0))
 compression.check_optimizer(optimizer)
 passes = opts.get("backward_passes_per_step", 1)
@@ -66,6 +80,12 @@ if opts.get("resume_from"):
     if not opts.get("forget_compression_state"):
         compression.load_state_dict(saved["compression"])
 
+if str(rank) in opts.get("skew_steps", {}):  # this rank alone resumes from a state of another step
+    skewed = compression.state_dict()
+    for entry in skewed["params"].values():
+        entry["step"] = opts["skew_steps"][str(rank)]
+    compression.load_state_dict(skewed)
+
 nan_at = {(t, r): name for t, r, name in opts.get("nan_at", [])}  # (step, rank): entry 7 of name is NaN
 
 
@@ -79,6 +99,8 @@ record = {}
 first_step = opts.get("first_step", 0)
 for t in range(first_step, first_step + opts.get("steps", 6)):
     raw = [torch.zeros_like(p) for p in params]
+    if scaler is not None:
+        scaler.scale = opts["loss_scales"][t - first_step]
     poison = dict(named)[nan_at[t, rank]].register_hook(poisoned) if (t, rank) in nan_at else None
     for k in range(passes):
         data_gen = torch.Generator().manual_seed(10000 * t + 100 * k + rank)
@@ -93,10 +115,24 @@ for t in range(first_step, first_step + opts.get("steps", 6)):
         for acc, g in zip(raw, grads):
             if g is not None:
                 acc += g
-        loss_fn().backward()
+        try:
+            (loss_fn() * (1.0 if scaler is None else scaler.scale)).backward()
+        except ValueError as err:
+            if not opts.get("skew_steps"):
+                raise
+            record["refused"] = np.array(str(err))
+            break
+    if "refused" in record:
+        break
     if poison is not None:
         poison.remove()
-    if not nan_at:
+    if scaler is not None:  # as GradScaler.unscale_ before its step
+        optimizer.synchronize()
+        for p in params:
+            p.grad.div_(scaler.scale)
+        with optimizer.skip_synchronize():
+            optimizer.step()
+    elif not nan_at:
         optimizer.step()
     else:  # a non-finite reduced gradient skips the step, as a loss scaler would
         optimizer.synchronize()
