@@ -30,6 +30,14 @@ def checked_params(state, scheme, config, names, what="parameters"):
     return params
 
 
+def check_loss_scale(scale, what):
+    """A saved loss scale: ``scale`` if a positive finite number or None; ValueError naming ``what`` else."""
+    if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
+                                  and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{what} must be a positive number or None, got {scale!r}")
+    return scale
+
+
 def check_size(name, key, value, numel, what="parameter"):
     """ValueError unless ``value`` (a tensor or array) has ``numel`` entries."""
     shape = getattr(value, "shape", None)

@@ -40,7 +40,6 @@ compute, a parameter it froze with ``requires_grad_(False)``), can deadlock. (Wi
 ``timeout`` turns a wait into an error.)
 """
 
-import math
 import time
 import weakref
 
@@ -50,7 +49,7 @@ from horovod.torch.compression import Compressor
 
 from hvd_scalecom.agreement import STEPS_HINT, shapes_digest
 from hvd_scalecom.config import HOROVOD_VALUE_DTYPES, INDEX_DTYPES, ScaleComConfig, check_dtype_name
-from hvd_scalecom.state import check_next_indices, checked_params
+from hvd_scalecom.state import check_loss_scale, check_next_indices, checked_params
 from hvd_scalecom.torch import clt_k
 from hvd_scalecom.torch.common import (GradientLookup, as_memory_of, check_agreement, check_process_set,
                                       check_state_entry, dense_on_the_wire, named_parameter_list, stall_times,
@@ -357,10 +356,7 @@ class ScaleCom(Compressor):
             param = self._by_name[name].param
             numel = param.numel()
             check_state_entry(name, entry, numel, ("memory",), step=False)
-            scale = entry.get("scale")
-            if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
-                                          and math.isfinite(scale) and scale > 0):
-                raise ValueError(f"state scale of {name!r} must be a positive number or None, got {scale!r}")
+            scale = check_loss_scale(entry.get("scale"), f"state scale of {name!r}")
             memory = entry.get("memory")
             if memory is not None:  # in this ScaleCom's units: unscaled without a loss_scaler, else
                 memory = as_memory_of(memory, param)     # rescaled at the next step from those saved

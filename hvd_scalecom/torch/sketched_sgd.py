@@ -34,7 +34,6 @@ scales the applied update (the paper's ``v <- v + lr u`` with a constant learnin
 :meth:`SketchedSGD.check_optimizer` raises if it is not.
 """
 
-import math
 import time
 import warnings
 
@@ -44,7 +43,7 @@ from horovod.torch.compression import Compressor
 
 from hvd_scalecom.agreement import shapes_digest
 from hvd_scalecom.baseline_config import SketchedSGDConfig
-from hvd_scalecom.state import checked_params
+from hvd_scalecom.state import check_loss_scale, checked_params
 from hvd_scalecom.torch import clt_k
 from hvd_scalecom.torch.common import (GradientLookup, as_memory_of, check_agreement, check_process_set,
                                       check_state_entry, dense_on_the_wire, named_parameter_list, stall_times,
@@ -275,10 +274,7 @@ class SketchedSGD(Compressor):
         state saved with a ``loss_scaler`` loads into a SketchedSGD without one divided by its scale,
         one saved without into one with a ``loss_scaler`` as of scale 1 (rescaled at the next step)."""
         params = checked_params(state, "SketchedSGD", self.config.as_dict(), self._names)
-        scale = state.get("scale")
-        if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
-                                      and math.isfinite(scale) and scale > 0):
-            raise ValueError(f"state scale must be a positive number or None, got {scale!r}")
+        scale = check_loss_scale(state.get("scale"), "state scale")
         for i, name in enumerate(self._names):
             check_state_entry(name, params[name], self._params[i].numel(),
                               ("momentum", "error") if i in self._offset else ("momentum",),
