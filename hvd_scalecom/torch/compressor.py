@@ -51,8 +51,9 @@ from hvd_scalecom.agreement import STEPS_HINT, shapes_digest
 from hvd_scalecom.config import HOROVOD_VALUE_DTYPES, INDEX_DTYPES, ScaleComConfig, check_dtype_name
 from hvd_scalecom.state import check_loss_scale, check_next_indices, checked_params
 from hvd_scalecom.torch import clt_k
-from hvd_scalecom.torch.common import (GradientLookup, as_memory_of, check_agreement, check_process_set,
-                                      check_state_entry, dense_on_the_wire, named_parameter_list, stall_times,
+from hvd_scalecom.torch.common import (GradientLookup, as_memory_of, check_agreement, check_loss_scaler,
+                                      check_process_set, check_state_entry, dense_on_the_wire,
+                                      follow_loss_scale, named_parameter_list, restored_loss_scale, stall_times,
                                       wait, wire_dtype)
 from hvd_scalecom.traffic import TrafficMeter
 
@@ -140,10 +141,7 @@ class ScaleCom(Compressor):
             raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
         self.timeout = timeout
         self._stall = stall_times(timeout)  # Horovod's stall settings, read at start-up as Horovod does
-        if loss_scaler is not None and not callable(getattr(loss_scaler, "get_scale", None)):
-            raise TypeError(f"loss_scaler must have a get_scale() method (torch.amp.GradScaler), "
-                            f"got {type(loss_scaler).__name__}")
-        self._loss_scaler = loss_scaler
+        self._loss_scaler = check_loss_scaler(loss_scaler)
         self.nonfinite_skips = 0  # tensor-steps whose memory update a non-finite reduction skipped
         pairs = named_parameter_list(named_parameters, "ScaleCom")
         self._slots = [_Slot(i, name, param) for i, (name, param) in enumerate(pairs)]
@@ -202,7 +200,7 @@ class ScaleCom(Compressor):
         k = self.config.num_selected(numel)
         if slot.memory is None:
             slot.memory = torch.zeros(numel, dtype=clt_k.memory_dtype(tensor.dtype), device=tensor.device)
-        self._rescale_memory(slot)
+        slot.scale = follow_loss_scale([slot.memory], slot.scale, self._loss_scaler)
         self._post_receives(t, rank, size)
         slot.step += 1
         try:
@@ -358,13 +356,9 @@ class ScaleCom(Compressor):
             check_state_entry(name, entry, numel, ("memory",), step=False)
             scale = check_loss_scale(entry.get("scale"), f"state scale of {name!r}")
             memory = entry.get("memory")
-            if memory is not None:  # in this ScaleCom's units: unscaled without a loss_scaler, else
-                memory = as_memory_of(memory, param)     # rescaled at the next step from those saved
-                if self._loss_scaler is None and scale is not None:
-                    memory.div_(scale)
-                    scale = None
-                elif self._loss_scaler is not None and scale is None:
-                    scale = 1.0  # (saved without a loss_scaler: unscaled)
+            if memory is not None:  # (in this ScaleCom's units)
+                memory = as_memory_of(memory, param)
+                scale = restored_loss_scale([memory], scale, self._loss_scaler)
             ahead = None
             if "next_indices" in entry:
                 t, indices = check_next_indices(
@@ -511,15 +505,6 @@ class ScaleCom(Compressor):
             buffer = torch.empty(memory.numel(), dtype=memory.dtype, device=memory.device)
             self._scratch_buffers[key] = buffer
         return buffer
-
-    def _rescale_memory(self, slot):
-        """Keep the memory in the units of the current loss scale (gradients arrive scaled)."""
-        if self._loss_scaler is None:
-            return
-        scale = float(self._loss_scaler.get_scale())
-        if slot.scale is not None and scale != slot.scale:
-            slot.memory.mul_(scale / slot.scale)
-        slot.scale = scale
 
     def _select_ahead(self, slot, grad, t, rank, size):
         """Pipelined mode: the leader of step ``t`` selects now, from this step's ``p = m + g``, and

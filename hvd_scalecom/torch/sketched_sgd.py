@@ -45,8 +45,9 @@ from hvd_scalecom.agreement import shapes_digest
 from hvd_scalecom.baseline_config import SketchedSGDConfig
 from hvd_scalecom.state import check_loss_scale, checked_params
 from hvd_scalecom.torch import clt_k
-from hvd_scalecom.torch.common import (GradientLookup, as_memory_of, check_agreement, check_process_set,
-                                      check_state_entry, dense_on_the_wire, named_parameter_list, stall_times,
+from hvd_scalecom.torch.common import (GradientLookup, as_memory_of, check_agreement, check_loss_scaler,
+                                      check_process_set, check_state_entry, dense_on_the_wire,
+                                      follow_loss_scale, named_parameter_list, restored_loss_scale, stall_times,
                                       wire_dtype)
 from hvd_scalecom.torch.sketch import CountSketch
 from hvd_scalecom.torch.sketched_steps import (accumulate_, applied_update, heavy_candidates,
@@ -108,10 +109,7 @@ class SketchedSGD(Compressor):
         self._params = [p for _, p in pairs]
         self._lookup = GradientLookup(self._params, self._names, "SketchedSGD")
         self._process_set = check_process_set(process_set)
-        if loss_scaler is not None and not callable(getattr(loss_scaler, "get_scale", None)):
-            raise TypeError(f"loss_scaler must have a get_scale() method (torch.amp.GradScaler), "
-                            f"got {type(loss_scaler).__name__}")
-        self._loss_scaler = loss_scaler
+        self._loss_scaler = check_loss_scaler(loss_scaler)
         self._scale = None  # the loss scale u, v and the dense momenta are expressed in (loss_scaler)
         self._sketched = [i for i, p in enumerate(self._params) if self.config.is_sketched(p.shape)]
         self._offset = {}
@@ -144,7 +142,9 @@ class SketchedSGD(Compressor):
         if not tensor.dtype.is_floating_point:
             raise TypeError(f"SketchedSGD compresses floating-point gradients; the gradient of "
                             f"{self._names[i]!r} is {tensor.dtype}")
-        self._rescale_state()
+        # (the scale changes between steps: the step's first compress rescales every tensor's state)
+        self._scale = follow_loss_scale([self._u, self._v, *self._dense_u.values()], self._scale,
+                                        self._loss_scaler)
         if self._sketch is None and i in self._offset:  # (before any state changes)
             self._sketch = CountSketch(self.numel, self.config.rows, self.columns, seed=self.config.seed,
                                        device=tensor.device)
@@ -298,14 +298,7 @@ class SketchedSGD(Compressor):
             self._v = torch.cat([e["error"].reshape(-1).to(dtype) for e in sketched]).to(device)
         else:
             self._u = self._v = None
-        buffers = [b for b in (self._u, self._v, *self._dense_u.values()) if b is not None]
-        if self._loss_scaler is None and scale is not None:  # (in this SketchedSGD's units)
-            for buffer in buffers:
-                buffer.div_(scale)
-            scale = None
-        elif self._loss_scaler is not None and scale is None and buffers:
-            scale = 1.0  # (saved without a loss_scaler: unscaled)
-        self._scale = scale
+        self._scale = restored_loss_scale([self._u, self._v, *self._dense_u.values()], scale, self._loss_scaler)
         self._round = None
         self._lookup.reset()
 
@@ -334,18 +327,6 @@ class SketchedSGD(Compressor):
     def _not_yet_compressed(self, i):
         r = self._round
         return r is None or i not in r.compressed
-
-    def _rescale_state(self):
-        """Keep u, v and the dense momenta in the units of the current loss scale (gradients arrive
-        scaled); the scale changes between steps, so the first compress of a step rescales them all."""
-        if self._loss_scaler is None:
-            return
-        scale = float(self._loss_scaler.get_scale())
-        if self._scale is not None and scale != self._scale:
-            for buffer in (self._u, self._v, *self._dense_u.values()):
-                if buffer is not None:
-                    buffer.mul_(scale / self._scale)
-        self._scale = scale
 
     def _momentum_of(self, i, tensor):
         """The flat momentum of parameter ``i``: its slice of the sketched vector's, or its own."""
