@@ -38,6 +38,21 @@ def check_loss_scale(scale, what):
     return scale
 
 
+def check_saved_shape(name, entry, shape, what="parameter"):
+    """ValueError naming ``name`` where ``entry`` (a state entry) was saved for a shape other than
+    ``shape``: a memory of a transposed parameter has the same entry count. An entry saved without a
+    ``shape`` (by an earlier version) loads unchecked."""
+    saved = entry.get("shape")
+    if saved is None:
+        return
+    if not (isinstance(saved, (list, tuple)) and all(isinstance(n, (int, np.integer)) and not isinstance(n, bool)
+                                                     and n >= 0 for n in saved)):
+        raise ValueError(f"state shape of {name!r} must be a list of sizes, got {saved!r}")
+    if tuple(int(n) for n in saved) != tuple(shape):
+        raise ValueError(f"state of {name!r} was saved for a {what} of shape {tuple(int(n) for n in saved)}, "
+                         f"this one has shape {tuple(shape)}")
+
+
 def check_size(name, key, value, numel, what="parameter"):
     """ValueError unless ``value`` (a tensor or array) has ``numel`` entries."""
     shape = getattr(value, "shape", None)

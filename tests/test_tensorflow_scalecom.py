@@ -638,6 +638,7 @@ def test_load_state_dict_checks_everything_first(tf_modules):
     compression = ScaleCom(variables, min_numel=100)
     state = compression.state_dict()
     assert set(state["params"]) == {"w", "b"} and state["params"]["b"]["memory"] is None
+    assert state["params"]["w"]["shape"] == [40, 30]
     good_memory = np.arange(1200, dtype=np.float32)
     bad = [
         ("not a dict", "state must be a dict"),
@@ -655,6 +656,9 @@ def test_load_state_dict_checks_everything_first(tf_modules):
                               "w": {"step": 3, "memory": np.array(["x"] * 1200)}}}, "memory of 'w'"),
         ({**state, "params": {"b": {"step": 3, "memory": None},  # (1e39 becomes inf in fp32)
                               "w": {"step": 3, "memory": np.full(1200, 1e39)}}}, "memory of 'w' holds non-finite"),
+        ({**state, "params": {"b": {"step": 3, "memory": None},  # (a transposed variable: as many entries)
+                              "w": {"step": 3, "shape": [30, 40], "memory": good_memory}}},
+         "'w' was saved for a variable of shape \\(30, 40\\), this one has shape \\(40, 30\\)"),
     ]
     for candidate, word in bad:
         with pytest.raises((ValueError, TypeError), match=word):

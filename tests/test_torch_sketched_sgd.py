@@ -442,7 +442,7 @@ def test_load_state_dict_checks_before_changing_anything():
     model = small_model()
     compression = SketchedSGD(model.named_parameters(), ratio=0.1, min_numel=50)
     good = compression.state_dict()
-    assert set(good["params"]["0.weight"]) == {"step", "momentum", "error"}
+    assert set(good["params"]["0.weight"]) == {"step", "shape", "momentum", "error"}
     for name, p in model.named_parameters():
         good["params"][name]["step"] = 3
         good["params"][name]["momentum"] = torch.full((p.numel(),), 0.5, dtype=torch.float16)  # kept in fp32

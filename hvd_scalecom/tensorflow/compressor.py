@@ -60,7 +60,7 @@ from tensorflow.python.trackable.base import Trackable
 from hvd_scalecom import agreement
 from hvd_scalecom.config import (HOROVOD_VALUE_DTYPES, INDEX_DTYPES, ScaleComConfig, check_dtype_name,
                                  check_kept_step)
-from hvd_scalecom.state import check_next_indices, check_size, checked_params
+from hvd_scalecom.state import check_next_indices, check_saved_shape, check_size, checked_params
 from hvd_scalecom.tensorflow import clt_k
 from hvd_scalecom.traffic import StepTraffic
 
@@ -631,7 +631,8 @@ class ScaleCom(tf.Module, Compressor):
         params = {}
         for s in self._slots:
             step = int(s.step.numpy())
-            entry = {"step": step, "memory": None if s.memory is None else s.memory.numpy().copy()}
+            entry = {"step": step, "shape": list(s.shape),
+                     "memory": None if s.memory is None else s.memory.numpy().copy()}
             if s.ahead_step is not None and int(s.ahead_step.numpy()) == step:
                 entry["next_indices"] = (step, s.next_indices.numpy().copy())
             params[s.name] = entry
@@ -647,6 +648,7 @@ class ScaleCom(tf.Module, Compressor):
         memories, ahead = {}, {}
         for name, entry in params.items():
             slot = self._by_name[name]
+            check_saved_shape(name, entry, slot.shape, "variable")
             memory = entry.get("memory")
             if memory is not None:
                 memory = np.asarray(memory)

@@ -6,6 +6,7 @@ Used by the ScaleCom compressor, :mod:`hvd_scalecom.torch.sketched_sgd` and
 """
 
 import hashlib
+import math
 import os
 import re
 import sys
@@ -15,6 +16,7 @@ import torch
 
 from hvd_scalecom import agreement
 from hvd_scalecom.config import check_int
+from hvd_scalecom.state import check_saved_shape
 from hvd_scalecom.torch.clt_k import memory_dtype
 
 _USAGE = "named_parameters must be an iterable of (name, parameter) pairs, such as model.named_parameters()"
@@ -73,12 +75,14 @@ def check_process_set(process_set):
     return process_set
 
 
-def check_state_entry(name, entry, numel, tensors, step=True):
-    """One parameter's entry of a saved state: a dict whose ``step`` (if ``step``) is an int >= 0 and
-    whose ``tensors`` are None or finite floating-point tensors of ``numel`` entries; else TypeError
-    or ValueError naming the parameter."""
+def check_state_entry(name, entry, shape, tensors, step=True):
+    """One parameter's entry of a saved state: a dict whose ``step`` (if ``step``) is an int >= 0, saved
+    for a parameter of ``shape`` (where it says), and whose ``tensors`` are None or finite floating-point
+    tensors of as many entries; else TypeError or ValueError naming the parameter."""
     if not isinstance(entry, dict):
         raise TypeError(f"state entry of {name!r} must be a dict, got {type(entry).__name__}")
+    check_saved_shape(name, entry, shape)
+    numel = math.prod(shape)
     if step:
         check_int(entry.get("step"), f"state step of {name!r}", 0)
     for key in tensors:

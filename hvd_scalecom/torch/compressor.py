@@ -329,8 +329,8 @@ class ScaleCom(Compressor):
         tensor's leader completes it, at its next step."""
         params = {}
         for s in self._slots:
-            entry = {"step": s.step, "memory": None if s.memory is None else s.memory.detach().clone(),
-                     "scale": s.scale}
+            entry = {"step": s.step, "shape": list(s.param.shape),
+                     "memory": None if s.memory is None else s.memory.detach().clone(), "scale": s.scale}
             if self._selected_ahead(s):
                 t, handle, indices = s.posted
                 received = self._check_received(self._synchronize(handle, s), s)
@@ -353,7 +353,7 @@ class ScaleCom(Compressor):
         for name, entry in params.items():
             param = self._by_name[name].param
             numel = param.numel()
-            check_state_entry(name, entry, numel, ("memory",), step=False)
+            check_state_entry(name, entry, param.shape, ("memory",), step=False)
             scale = check_loss_scale(entry.get("scale"), f"state scale of {name!r}")
             memory = entry.get("memory")
             if memory is not None:  # (in this ScaleCom's units)

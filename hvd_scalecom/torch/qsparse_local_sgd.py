@@ -205,7 +205,8 @@ class QsparseLocalSGD(torch.optim.Optimizer):
         params = {}
         for i, name in enumerate(self._names):
             memory = self._memory[i]
-            params[name] = {"shared": None if self._shared is None else self._shared[i].clone(),
+            params[name] = {"shape": list(self._params[i].shape),
+                            "shared": None if self._shared is None else self._shared[i].clone(),
                             "memory": None if memory is None else memory.reshape(-1).clone()}
         state[_STATE_KEY] = {"config": self.config.as_dict(), "step": self._step, "params": params,
                              "generator": self._generator.get_state(), "last_sync": self._last_sync}
@@ -243,7 +244,7 @@ class QsparseLocalSGD(torch.optim.Optimizer):
             extra = sorted(set(params) - set(self._names))
             raise ValueError(f"state does not match the parameters: missing {missing}, unexpected {extra}")
         for name, p in zip(self._names, self._params):
-            check_state_entry(name, params[name], p.numel(), ("shared", "memory"), step=False)
+            check_state_entry(name, params[name], p.shape, ("shared", "memory"), step=False)
         have_shared = {params[n].get("shared") is not None for n in self._names}
         if len(have_shared) > 1:
             raise ValueError("state holds x_last of some parameters but not of others")

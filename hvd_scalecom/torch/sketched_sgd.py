@@ -257,7 +257,7 @@ class SketchedSGD(Compressor):
                                "gradient hooks and optimizer.step())")
         params = {}
         for i, name in enumerate(self._names):
-            entry = {"step": self._steps[i], "momentum": None}
+            entry = {"step": self._steps[i], "shape": list(self._params[i].shape), "momentum": None}
             if i in self._offset:
                 entry["error"] = None
                 if self._u is not None:
@@ -276,7 +276,7 @@ class SketchedSGD(Compressor):
         params = checked_params(state, "SketchedSGD", self.config.as_dict(), self._names)
         scale = check_loss_scale(state.get("scale"), "state scale")
         for i, name in enumerate(self._names):
-            check_state_entry(name, params[name], self._params[i].numel(),
+            check_state_entry(name, params[name], self._params[i].shape,
                               ("momentum", "error") if i in self._offset else ("momentum",),
                               step=False)
         sketched_state = [params[self._names[i]].get("momentum") is not None for i in self._sketched]
