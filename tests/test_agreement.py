@@ -96,12 +96,15 @@ def test_a_key_missing_on_one_rank_is_named():
         agreement.check_gathered("ScaleCom", gathered)
 
 
-def test_wire_bytes_refuse_a_worker_count_below_one():
+def test_wire_bytes_refuse_a_worker_count_below_one_and_bytes_below_zero():
     from hvd_scalecom.traffic import allgather_bytes_sent, allreduce_bytes_sent, broadcast_bytes_sent
     for formula in (allgather_bytes_sent, allreduce_bytes_sent, broadcast_bytes_sent):
         for n in (0, -1, 2.0, True):
             with pytest.raises(ValueError, match=r"n \(workers\) must be an int >= 1"):
                 formula(100, n)
+        for nbytes in (-1, float("nan"), float("inf"), "100", None, True):
+            with pytest.raises(ValueError, match=r"nbytes must be a finite number >= 0"):
+                formula(nbytes, 4)
     assert (allreduce_bytes_sent(100, np.int64(4)), allgather_bytes_sent(100, 4), broadcast_bytes_sent(100, 4)) == \
         (150.0, 300.0, 75.0)
 
