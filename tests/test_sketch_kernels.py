@@ -131,6 +131,13 @@ def test_lead_dimensions_and_non_contiguous_input():
     assert_same_bits(estimate, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # (float64 never goes to the kernels)
+def test_an_empty_batch_sketches_to_an_empty_table(dtype):
+    cs = CountSketch(1_000, 5, 50, seed=1)
+    table, want = kernels_and_torch(lambda: cs.sketch(torch.zeros(0, 1_000, dtype=dtype)))
+    assert table.shape == want.shape == (0, 5, 50) and table.dtype == want.dtype == dtype
+
+
 def test_a_large_sketch_with_a_few_heavy_coordinates():
     numel, rows, columns = 1_000_003, 5, 20_000
     cs = CountSketch(numel, rows, columns, seed=11)

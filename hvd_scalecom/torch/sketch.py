@@ -115,7 +115,7 @@ class CountSketch:
                                               self.columns, table.data_ptr()) == 0:
             return table.reshape(*lead, self.rows, self.columns)
         for start, stop, cells, signs in self._chunks(v.device):
-            signed = (flat[:, None, start:stop] * signs.to(v.dtype)).reshape(batch, -1)
+            signed = (flat[:, None, start:stop] * signs.to(v.dtype)).reshape(batch, self.rows * (stop - start))
             table.index_add_(1, cells, signed)
         return table.reshape(*lead, self.rows, self.columns)
 
