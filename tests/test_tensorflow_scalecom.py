@@ -497,6 +497,44 @@ def test_a_gradient_that_bypasses_compress_is_an_error_at_the_next_step():
         "STEPS [1, 1, 0] MEMORIES [True, True, False]", "REFUSED True", "UNCHANGED true"]
 
 
+def test_an_eager_step_refused_part_way_is_refused_until_a_restore():
+    """``hvd.allreduce(g, compression=...)`` eagerly, one gradient at a time: a gradient refused at
+    variable #2 comes after #0 and #1 were reduced, so every later step is refused, saying why, until
+    a state is restored (before, each later gradient went to the variable after the last taken, and
+    was refused or, of a fitting shape, misplaced); the restored ScaleCom then steps as one that
+    never saw the refused step. A gradient refused at variable #0 leaves the next step to begin there."""
+    code = ("import numpy as np, tensorflow as tf, horovod.tensorflow as hvd\n"
+            "from hvd_scalecom.tensorflow import ScaleCom\n"
+            "hvd.init()\n"
+            "variables = [tf.Variable(tf.zeros([2000])), tf.Variable(tf.zeros([2000])), tf.Variable(tf.zeros([30, 10]))]\n"
+            "good = [tf.fill([2000], 1.0), tf.range(2000, dtype=tf.float32), tf.fill([30, 10], 3.0)]\n"
+            "compression, twin = (ScaleCom(variables, ratio=0.05, beta=0.5, min_numel=100) for _ in range(2))\n"
+            "def reduce_all(sc, grads):\n"
+            "    return [hvd.allreduce(g, compression=sc).numpy() for g in grads]\n"
+            "try:\n"
+            "    reduce_all(compression, [tf.ones([7])] + good[1:])\n"
+            "except ValueError as e:\n"
+            "    print('FIRST', 'gradient #0' in str(e), [int(s) for s in compression.steps])\n"
+            "reduce_all(compression, good), reduce_all(twin, good)\n"
+            "saved = compression.state_dict()\n"
+            "try:\n"
+            "    reduce_all(compression, good[:2] + [tf.ones([300])])\n"
+            "except ValueError as e:\n"
+            "    print('PART', 'gradient #2' in str(e), [int(s) for s in compression.steps])\n"
+            "for _ in range(2):\n"
+            "    try:\n"
+            "        reduce_all(compression, good)\n"
+            "    except RuntimeError as e:\n"
+            "        print('STALLED', 'refused gradient #2 of an eager step after variables #0 to #1' in str(e))\n"
+            "compression.load_state_dict(saved)\n"
+            "got, expected = reduce_all(compression, good), reduce_all(twin, good)\n"
+            "print('RESUMED', all(np.array_equal(g, e) for g, e in zip(got, expected)),\n"
+            "      [int(s) for s in compression.steps],\n"
+            "      all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(compression.memories, twin.memories)))\n")
+    assert one_rank(code, "FIRST", "PART", "STALLED", "RESUMED") == [
+        "FIRST True [0, 0, 0]", "PART True [2, 2, 1]", "STALLED True", "STALLED True", "RESUMED True [2, 2, 2] True"]
+
+
 def test_refused_steps_through_the_tape_change_nothing_and_grouped_fp16_values_are_refused(horovod_job):
     """2 ranks, hvd.DistributedGradientTape, which compresses each gradient in a tf.cond branch of
     its own: a step refused because a sparse gradient bypassed compress leaves every variable's
@@ -656,6 +694,8 @@ def test_load_state_dict_checks_everything_first(tf_modules):
                               "w": {"step": 3, "memory": np.array(["x"] * 1200)}}}, "memory of 'w'"),
         ({**state, "params": {"b": {"step": 3, "memory": None},  # (1e39 becomes inf in fp32)
                               "w": {"step": 3, "memory": np.full(1200, 1e39)}}}, "memory of 'w' holds non-finite"),
+        ({**state, "params": {"w": {"step": 3, "memory": good_memory},  # (every step reduces every variable)
+                              "b": {"step": 2, "memory": None}}}, "steps differ between variables"),
         ({**state, "params": {"b": {"step": 3, "memory": None},  # (a transposed variable: as many entries)
                               "w": {"step": 3, "shape": [30, 40], "memory": good_memory}}},
          "'w' was saved for a variable of shape \\(30, 40\\), this one has shape \\(40, 30\\)"),

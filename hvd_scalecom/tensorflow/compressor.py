@@ -185,7 +185,7 @@ class ScaleCom(tf.Module, Compressor):
         # memories of compressible variables, every step counter, the statistics' tallies (a restore
         # then rolls them back with the steps).
         self.configuration = _SavedConfiguration(
-            {**config.as_dict(), "variables": [[s.dtype.name, list(s.shape)] for s in slots]})
+            {**config.as_dict(), "variables": [[s.dtype.name, list(s.shape)] for s in slots]}, self._forget_step)
         self.memories = [s.memory for s in slots if s.compressible]
         self.steps = [s.step for s in slots]
         self.statistics = [v for s in slots for v in (s.tally, s.nonfinite, s.timing)]
@@ -194,6 +194,8 @@ class ScaleCom(tf.Module, Compressor):
             self.statistics += [s.fresh for s in slots if s.compressible]
         self._cursor_graph = None  # (weak reference to) the graph the last gradient was traced in
         self._cursor = 0
+        self._taking = 0  # the variable whose gradient compress takes (or took last)
+        self._stalled = None  # why eager steps are refused (one was refused part-way), or None
         self._step_checked = None  # variable #0's step counter, once every variable was found stepped
         self._in_flight = []  # (slot, wire dtype) compressed since the last decompress: one group's
         self._agreed = False  # configurations compared across ranks (at the first compress)
@@ -206,9 +208,13 @@ class ScaleCom(tf.Module, Compressor):
 
     def compress(self, tensor):
         try:
-            if isinstance(tensor, tf.IndexedSlices):
-                raise TypeError("ScaleCom compresses dense gradients: pass sparse_as_dense=True to "
-                                "hvd.DistributedGradientTape for embedding-like variables")
+            return self._compress_next(tensor)
+        except Exception as error:
+            self._refused(_graph_of(tensor), error)
+            raise
+
+    def _compress_next(self, tensor):
+        try:
             slot = self._slot_of(tensor)
             if not tensor.shape.is_fully_defined():
                 tensor = tf.ensure_shape(tensor, slot.shape)
@@ -498,6 +504,12 @@ class ScaleCom(tf.Module, Compressor):
             self._cursor_graph = None if graph is None else weakref.ref(graph)
             self._cursor = 0
             self._in_flight.clear()
+        if self._stalled is not None:
+            raise RuntimeError(self._stalled)
+        self._taking = self._cursor
+        if isinstance(tensor, tf.IndexedSlices):
+            raise TypeError("ScaleCom compresses dense gradients: pass sparse_as_dense=True to "
+                            "hvd.DistributedGradientTape for embedding-like variables")
         slot = self._slots[self._cursor]
         if not tensor.dtype.is_floating:  # (before the cursor moves on)
             raise TypeError(f"ScaleCom compresses floating-point gradients; the gradient of "
@@ -514,6 +526,20 @@ class ScaleCom(tf.Module, Compressor):
                 f"model.trainable_variables])).")
         self._cursor += 1
         return slot
+
+    def _refused(self, graph, error):
+        """After a gradient ``compress`` refused, the next one begins a step (variable #0). Traced,
+        nothing of the refused step ran. Eagerly (``hvd.allreduce(g, compression=...)`` one gradient
+        at a time) the variables before it were reduced already, their counters and memories moved:
+        ScaleCom then refuses every step, saying so, until a state is restored."""
+        refused = self._taking
+        if graph is None and refused > 0 and self._stalled is None:
+            self._stalled = (f"ScaleCom refused gradient #{refused} of an eager step after variables #0 to "
+                             f"#{refused - 1} were reduced in it (their step counters and memories moved): restore "
+                             f"a state saved before that step (load_state_dict() or a tf.train.Checkpoint) "
+                             f"to go on. The refusal: {error}")
+        self._cursor = 0
+        self._in_flight.clear()
 
     def _check_agreement(self):
         """Compare this rank's configuration and variables with every other rank's, once.
@@ -645,6 +671,10 @@ class ScaleCom(tf.Module, Compressor):
         step by the PyTorch frontend) restores zeros.
         """
         params = checked_params(state, "ScaleCom", self.config.as_dict(), self._by_name, "variables")
+        steps = {name: int(entry["step"]) for name, entry in params.items()}
+        if len(set(steps.values())) > 1:  # (every step here reduces every variable)
+            raise ValueError(f"state steps differ between variables, {steps}: this ScaleCom steps every "
+                             f"variable together")
         memories, ahead = {}, {}
         for name, entry in params.items():
             slot = self._by_name[name]
@@ -683,8 +713,13 @@ class ScaleCom(tf.Module, Compressor):
                 if indices is not None:
                     slot.next_indices.assign(indices.astype(slot.next_indices.dtype.as_numpy_dtype))
                 slot.ahead_step.assign(step)
+        self._forget_step()
+
+    def _forget_step(self):
+        """After a restore: the next gradient begins a step, and eager steps are taken again."""
         self._cursor_graph = None
         self._cursor = 0
+        self._stalled = None
         self._in_flight.clear()
 
 
@@ -693,8 +728,9 @@ class _SavedConfiguration(Trackable):
     restore into a ScaleCom built otherwise raises ValueError (as ``load_state_dict`` does), where
     memories would otherwise go, matched by position, to other variables or into other equations."""
 
-    def __init__(self, summary):
+    def __init__(self, summary, on_restore):
         self.summary = summary
+        self._on_restore = weakref.WeakMethod(on_restore)  # (not a reference cycle through ScaleCom)
 
     def _serialize_to_tensors(self):
         return {"json": tf.constant(json.dumps(self.summary, sort_keys=True))}
@@ -707,6 +743,9 @@ class _SavedConfiguration(Trackable):
             raise ValueError("ScaleCom: the checkpoint was saved by a ScaleCom built otherwise; restore it "
                              "into one built alike (saved, this one): " +
                              ", ".join(f"{key} {was!r}, {now!r}" for key, (was, now) in differ.items()))
+        on_restore = self._on_restore()
+        if on_restore is not None:
+            on_restore()
         return tf.no_op()
 
 
