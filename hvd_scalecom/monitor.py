@@ -26,7 +26,8 @@ def stats_scalars(stats, prefix="scalecom"):
 
 def residue_norm(compression):
     """``||m||_2`` over all residue memories of a ScaleCom (torch or TensorFlow) on this rank, from
-    its ``state_dict()``; 0.0 before the first compressed step. Call it between steps."""
+    its ``state_dict()``, in the units of unscaled gradients (a memory kept in a ``loss_scaler``'s
+    units is divided by its scale); 0.0 before the first compressed step. Call it between steps."""
     state = getattr(compression, "state_dict", None)
     if not callable(state):
         raise TypeError(f"compression must have a state_dict() (a ScaleCom), "
@@ -43,5 +44,8 @@ def residue_norm(compression):
             continue
         if hasattr(memory, "detach"):  # a torch tensor, possibly on a GPU
             memory = memory.detach().cpu()
-        total += float(np.sum(np.square(np.asarray(memory, dtype=np.float64))))
+        memory = np.asarray(memory, dtype=np.float64)
+        if entry.get("scale") is not None:
+            memory = memory / entry["scale"]
+        total += float(np.sum(np.square(memory)))
     return math.sqrt(total)

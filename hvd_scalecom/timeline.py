@@ -30,8 +30,9 @@ def read_operations(path):
     """``[{"name", "op", "dtype", "shape", "numel", "nbytes"}]`` in completion order.
 
     ``op`` is the prefix Horovod gives the name (``allreduce``, ``broadcast``, ``allgather``...).
-    Operations whose end event carries no output shape are left out: in Horovod 0.28.1 that is a
-    broadcast rooted at the rank writing the timeline (its ``E`` event has no ``args``).
+    Operations whose end event carries no output shape are left out: in Horovod 0.28.1 (Gloo) those
+    are a broadcast rooted at the rank writing the timeline and every alltoall (their ``E`` events
+    have no ``args``); none of this project's compressors uses alltoall.
     """
     with open(path) as f:
         text = f.read().strip().rstrip(",")

@@ -60,6 +60,13 @@ def test_residue_norm_of_torch_scalecom():
     compression.load_state_dict(state)
     expected = np.sqrt(sum(np.sum(m.numpy().astype(np.float64) ** 2) for m in memories.values()))
     assert residue_norm(compression) == pytest.approx(expected, rel=1e-12)
+    # With a loss_scaler the memories are kept in the scale's units: the norm is of unscaled ones.
+    scaled = ScaleCom(model.named_parameters(), ratio=0.1, min_numel=100, loss_scaler=torch.amp.GradScaler("cpu"))
+    for name, memory in memories.items():
+        state["params"][name].update(memory=memory * 1024, scale=1024.0)
+    scaled.load_state_dict(state)
+    assert scaled.state_dict()["params"]["0.weight"]["scale"] == 1024.0
+    assert residue_norm(scaled) == pytest.approx(expected, rel=1e-12)
     with pytest.raises(TypeError, match="compression"):
         residue_norm(object())
     from hvd_scalecom.torch import SketchedSGD  # its state holds momentum and error, no memory
