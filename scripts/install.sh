@@ -13,7 +13,8 @@
 # Horovod (HOROVOD_VERSION) does not build as released against torch >= 2.1 and TF >= 2.19; two fixes are
 # applied to the unpacked source distribution at build time (see patch_horovod_source below).
 # The ~12-minute build happens once: the wheel is cached outside the repository, keyed by the
-# Horovod, torch, TensorFlow and Python versions and the build variant, and reused afterwards.
+# Horovod, torch, TensorFlow and Python versions and the build variant, and reused afterwards while
+# the build's recipe (the patches and flags below) is the one it was built by.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -21,18 +22,23 @@ repo="$(cd "$here/.." && pwd)"
 # shellcheck source=versions.env
 source "$here/versions.env"
 
-VENV="${VENV:-$repo/.venv}"
+VENV="$(realpath -ms "${VENV:-$repo/.venv}")"  # (absolute: the venv's scripts name it)
 CACHE="${HVD_SCALECOM_CACHE:-$HOME/.cache/hvd_scalecom}"
 GPU="${HVD_SCALECOM_GPU:-0}"
 if [ "$GPU" = 1 ]; then variant=gpu; tf_pkg=tensorflow; else variant=cpu; tf_pkg=tensorflow-cpu; fi
 stamp="$VENV/.hvd_scalecom-install-stamp"
-stamp_key="$(cat "$here/versions.env" "$here/install.sh" | sha256sum | cut -c1-16)-$variant"
+# (the checkout and the venv too: another checkout must install itself, and a moved venv is remade)
+stamp_key="$({ cat "$here/versions.env" "$here/install.sh"; echo "$repo"; echo "$VENV"; } | sha256sum | cut -c1-16)-$variant"
 
 log() { printf '[install] %s\n' "$*" >&2; }
 die() { printf '[install] ERROR: %s\n' "$*" >&2; exit 1; }
 
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$stamp_key" ] && [ -x "$VENV/bin/horovodrun" ]; then
-  exit 0   # everything below already done with these exact versions
+# the top-level modules the steps below install (a package uninstalled since is installed again)
+MODULES="torch tensorflow numpy mpi4py sklearn pytest matplotlib tensorboard tqdm horovod hvd_scalecom"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$stamp_key" ] && [ -x "$VENV/bin/horovodrun" ] \
+   && "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))" \
+        $MODULES 2>/dev/null; then
+  exit 0   # everything below already done with these exact versions, here
 fi
 
 as_root() {
@@ -41,12 +47,22 @@ as_root() {
   else die "need root (or sudo) to run: $*"; fi
 }
 
-# 1. System packages: OpenMPI (so Horovod gets the MPI controller), a compiler and cmake.
+py="python$PYTHON_VERSION"
+command -v "$py" >/dev/null || py=python3
+venv_usable() {  # made here, with pip: its scripts (pip's, horovodrun) start with this path's python
+  [ -x "$VENV/bin/python" ] && [ -f "$VENV/bin/pip" ] && head -n 1 "$VENV/bin/pip" | grep -qF "#!$VENV/bin/python"
+}
+
+# 1. System packages: OpenMPI (so Horovod gets the MPI controller), a compiler and cmake; and
+#    Debian's venv module where the Python that makes the venv lacks ensurepip.
 need_apt=()
 for pkg in libopenmpi-dev openmpi-bin cmake g++ make; do
   # installed ("ii"), not merely known to dpkg (a package removed but not purged is "rc")
   dpkg-query -W -f='${db:Status-Abbrev}' "$pkg" 2>/dev/null | grep -q '^ii' || need_apt+=("$pkg")
 done
+if ! venv_usable && ! "$py" -c "import ensurepip" 2>/dev/null; then
+  need_apt+=("python$PYTHON_VERSION-venv")
+fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "installing system packages: ${need_apt[*]}"
   as_root apt-get update -qq
@@ -54,12 +70,18 @@ if [ ${#need_apt[@]} -gt 0 ]; then
 fi
 
 # 2. The virtual environment and the frameworks (Horovod compiles against these exact versions).
-py="python$PYTHON_VERSION"
-command -v "$py" >/dev/null || py=python3
-if [ ! -x "$VENV/bin/python" ]; then
+if [ -e "$VENV" ] && ! venv_usable; then
+  # moved from elsewhere (its scripts name the old path) or made without pip: made again
+  [ -f "$VENV/pyvenv.cfg" ] || [ -z "$(ls -A "$VENV" 2>/dev/null)" ] \
+    || die "VENV=$VENV exists and is not a virtual environment; remove it or choose another"
+  log "$VENV was made elsewhere or without pip (its scripts would not run here): making it again"
+  rm -rf "$VENV"
+fi
+if [ ! -e "$VENV" ]; then
   "$py" -c "import sys; sys.exit(not sys.version.startswith('$PYTHON_VERSION'))" 2>/dev/null \
     || die "Python $PYTHON_VERSION is needed (the frameworks and Horovod are pinned for it): no python$PYTHON_VERSION on PATH, and $py is $("$py" -V 2>&1); install it (e.g. apt-get install python$PYTHON_VERSION python$PYTHON_VERSION-venv) and retry"
-  log "creating $VENV"; "$py" -m venv "$VENV"
+  log "creating $VENV"
+  "$py" -m venv "$VENV" || { rm -rf "$VENV"; die "$py -m venv failed (above); nothing was left at $VENV"; }
 fi
 vpy="$VENV/bin/python"
 "$vpy" -c "import sys; assert sys.version.startswith('$PYTHON_VERSION'), sys.version" \
@@ -102,6 +124,28 @@ patch_horovod_source() {  # $1: unpacked sdist
   grep -q '^#if 0 // hvd_scalecom' "$src/horovod/tensorflow/xla_mpi_ops.cc" || die "XLA patch did not apply"
 }
 
+build_horovod_wheel() {  # $1: patched sdist, $2: where the wheel goes; the build's output on stdout
+  ( cd "$1" \
+    && export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 \
+              HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="-j${HVD_SCALECOM_JOBS:-2}" \
+              CMAKE_POLICY_VERSION_MINIMUM=3.5 \
+    && if [ "$GPU" = 1 ]; then export HOROVOD_GPU_OPERATIONS=NCCL; fi \
+    && PATH="$VENV/bin:$PATH" "$vpy" -m pip wheel -q --no-build-isolation --no-deps --no-cache-dir -w "$2" . ) 2>&1
+  # (CMAKE_POLICY_VERSION_MINIMUM: a CMake 4 first on PATH refuses the release's old minimum)
+}
+
+# The recipe a cached wheel was built by: another patch or flag (not a comment) builds anew. A wheel
+# cached before recipes were recorded is taken as this recipe's (those before differ only in flags
+# that change no CPU build: the CMake policy minimum, the parallel jobs).
+recipe="$(declare -f patch_horovod_source build_horovod_wheel | sha256sum | cut -c1-16)"
+if ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1 && [ ! -f "$wheel_dir/recipe" ]; then
+  echo "$recipe" > "$wheel_dir/recipe"
+fi
+if ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1 && [ "$(cat "$wheel_dir/recipe")" != "$recipe" ]; then
+  log "the cached wheel in $wheel_dir was built by another recipe (patches or flags): building anew"
+  rm -rf "$wheel_dir"
+fi
+
 has_python_headers() {  # the build compiles against Python.h (torch's extension headers include it)
   "$vpy" -c "import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))"
 }
@@ -121,27 +165,23 @@ if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
     | { grep -v "is ignored: it is neither" || true; }
   tar -xzf "$build/horovod-$HOROVOD_VERSION.tar.gz" -C "$build"
   patch_horovod_source "$build/horovod-$HOROVOD_VERSION"
-  export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 \
-         HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="-j${HVD_SCALECOM_JOBS:-2}" \
-         CMAKE_POLICY_VERSION_MINIMUM=3.5  # (a CMake 4 first on PATH refuses the release's old minimum)
-  [ "$GPU" = 1 ] && export HOROVOD_GPU_OPERATIONS=NCCL
-  (cd "$build/horovod-$HOROVOD_VERSION" && \
-     PATH="$VENV/bin:$PATH" "$vpy" -m pip wheel -q --no-build-isolation --no-deps --no-cache-dir \
-       -w "$build/wheel" . ) > "$build/build.log" 2>&1 \
+  build_horovod_wheel "$build/horovod-$HOROVOD_VERSION" "$build/wheel" > "$build/build.log" \
     || { tail -n 60 "$build/build.log" >&2; die "Horovod build failed (log above)"; }
   # Filled whole or not at all: a copy cut short must not pass for a cached wheel later.
   rm -rf "$wheel_dir.partial" && mkdir -p "$wheel_dir.partial" "$(dirname "$wheel_dir")"
   cp "$build"/wheel/horovod-*.whl "$wheel_dir.partial/"
+  echo "$recipe" > "$wheel_dir.partial/recipe"
   rm -rf "$wheel_dir" && mv "$wheel_dir.partial" "$wheel_dir"
   log "cached $(ls "$wheel_dir"/horovod-*.whl)"
 fi
-# Installed again whenever the wheel installed last was built for other versions or another variant.
+# Installed again whenever the wheel installed last was built for other versions, another variant
+# or by another recipe.
 installed_key="$VENV/.hvd_scalecom-horovod-wheel"
 if ! "$vpy" -c "import importlib.metadata as m, sys; sys.exit(m.version('horovod') != '$HOROVOD_VERSION')" 2>/dev/null \
-   || [ "$(cat "$installed_key" 2>/dev/null)" != "$key" ]; then
-  log "installing Horovod built for $key"
+   || [ "$(cat "$installed_key" 2>/dev/null)" != "$key-$recipe" ]; then
+  log "installing Horovod built for $key (recipe $recipe)"
   pip_install --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl
-  echo "$key" > "$installed_key"
+  echo "$key-$recipe" > "$installed_key"
 fi
 
 # 4. The package itself (editable), then the check the issue asks for.
