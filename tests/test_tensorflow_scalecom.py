@@ -500,9 +500,9 @@ def test_a_gradient_that_bypasses_compress_is_an_error_at_the_next_step():
 def test_an_eager_step_refused_part_way_is_refused_until_a_restore():
     """``hvd.allreduce(g, compression=...)`` eagerly, one gradient at a time: a gradient refused at
     variable #2 comes after #0 and #1 were reduced, so every later step is refused, saying why, until
-    a state is restored (before, each later gradient went to the variable after the last taken, and
-    was refused or, of a fitting shape, misplaced); the restored ScaleCom then steps as one that
-    never saw the refused step. A gradient refused at variable #0 leaves the next step to begin there."""
+    a state is restored by ``load_state_dict`` or a ``tf.train.Checkpoint`` (before, each later
+    gradient went to the variable after the last taken, and was refused or, of a fitting shape,
+    misplaced); the restored ScaleCom then steps as one that never saw the refused step. A gradient refused at variable #0 leaves the next step to begin there."""
     code = ("import numpy as np, tensorflow as tf, horovod.tensorflow as hvd\n"
             "from hvd_scalecom.tensorflow import ScaleCom\n"
             "hvd.init()\n"
@@ -530,9 +530,25 @@ def test_an_eager_step_refused_part_way_is_refused_until_a_restore():
             "got, expected = reduce_all(compression, good), reduce_all(twin, good)\n"
             "print('RESUMED', all(np.array_equal(g, e) for g, e in zip(got, expected)),\n"
             "      [int(s) for s in compression.steps],\n"
+            "      all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(compression.memories, twin.memories)))\n"
+            "import tempfile\n"  # the same through a tf.train.Checkpoint, refused at variable #1
+            "checkpoint = tf.train.Checkpoint(compression=compression)\n"
+            "path = checkpoint.write(tempfile.mkdtemp() + '/ckpt')\n"
+            "try:\n"
+            "    reduce_all(compression, good[:1] + [tf.ones([300])])\n"
+            "except ValueError:\n"
+            "    try:\n"
+            "        reduce_all(compression, good)\n"
+            "    except RuntimeError as e:\n"
+            "        print('STALLED', 'refused gradient #1 of an eager step after variables #0 to #0' in str(e))\n"
+            "checkpoint.read(path).assert_consumed()\n"
+            "got, expected = reduce_all(compression, good), reduce_all(twin, good)\n"
+            "print('RESTORED', all(np.array_equal(g, e) for g, e in zip(got, expected)),\n"
+            "      [int(s) for s in compression.steps],\n"
             "      all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(compression.memories, twin.memories)))\n")
-    assert one_rank(code, "FIRST", "PART", "STALLED", "RESUMED") == [
-        "FIRST True [0, 0, 0]", "PART True [2, 2, 1]", "STALLED True", "STALLED True", "RESUMED True [2, 2, 2] True"]
+    assert one_rank(code, "FIRST", "PART", "STALLED", "RESUMED", "RESTORED") == [
+        "FIRST True [0, 0, 0]", "PART True [2, 2, 1]", "STALLED True", "STALLED True", "RESUMED True [2, 2, 2] True",
+        "STALLED True", "RESTORED True [3, 3, 3] True"]
 
 
 def test_refused_steps_through_the_tape_change_nothing_and_grouped_fp16_values_are_refused(horovod_job):
