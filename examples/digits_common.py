@@ -1,6 +1,9 @@
-"""What the two digits examples share: argument checks and the steps per epoch."""
+"""What the two digits examples share: argument checks, the steps per epoch and what a checkpoint
+records of the run that trained it."""
 
 import argparse
+import math
+import os
 
 
 def positive_int(text):
@@ -9,6 +12,40 @@ def positive_int(text):
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
+
+
+def learning_rate(text):
+    """argparse type: a finite float > 0."""
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def momentum_value(text):
+    """argparse type: a float in [0, 1) (SGD's velocity must decay: at 1 or more it never does)."""
+    value = float(text)
+    if not 0 <= value < 1:  # (false for nan)
+        raise argparse.ArgumentTypeError(f"must be a number >= 0 and < 1, got {text}")
+    return value
+
+
+def seed_value(text):
+    """argparse type: an int in [0, 2**32 - 1] (what numpy's seeding takes)."""
+    value = int(text)
+    if not 0 <= value <= 2 ** 32 - 1:
+        raise argparse.ArgumentTypeError(f"must be an integer from 0 to 2**32 - 1, got {text}")
+    return value
+
+
+def result_path(text):
+    """argparse type: a file path whose directory exists (checked before training, not after)."""
+    directory = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(directory):
+        raise argparse.ArgumentTypeError(f"directory {directory} does not exist")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a directory; name a file in it")
+    return text
 
 
 def epoch_steps(train_images, batch_size, size, rank, compression):
@@ -24,3 +61,29 @@ def epoch_steps(train_images, batch_size, size, rank, compression):
         print("note: with one process Horovod reduces nothing, so no gradient is compressed "
               "(run under horovodrun -np 2 or more)", flush=True)
     return smallest_shard // batch_size
+
+
+def trained_with(args, size):
+    """What a checkpoint records of the run that trained it, by argument: --compression (a resume
+    with another would drop ScaleCom's memories, or miss them) and what sets the optimizer (which
+    the checkpoint restores): --lr, --momentum, --lr-scaling where the example has it, and -np, the
+    number of workers that scales the learning rate."""
+    record = {"--compression": args.compression, "--lr": args.lr, "--momentum": args.momentum}
+    if hasattr(args, "lr_scaling"):
+        record["--lr-scaling"] = args.lr_scaling
+    record["-np"] = size
+    return record
+
+
+def check_trained_with(saved, current, directory):
+    """SystemExit naming each argument whose value in ``current`` differs from the checkpoint's
+    record ``saved`` (both :func:`trained_with`), with both values. A record lacking an argument
+    passes it; a bare string is an older checkpoint's --compression."""
+    if isinstance(saved, str):
+        saved = {"--compression": saved}
+    differ = [name for name in current if name in saved and saved[name] != current[name]]
+    if differ:
+        now = ", ".join(f"{name} {current[name]}" for name in differ)
+        then = ", ".join(f"{name} {saved[name]}" for name in differ)
+        raise SystemExit(f"{now}: the checkpoint in {directory} was trained with {then}; resume with "
+                         f"{'that' if len(differ) == 1 else 'those'}")

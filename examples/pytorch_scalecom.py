@@ -20,7 +20,8 @@ from sklearn.datasets import load_digits
 import horovod.torch as hvd
 from hvd_scalecom.torch import ScaleCom, log_stats
 
-from digits_common import epoch_steps, positive_int
+from digits_common import (check_trained_with, epoch_steps, learning_rate, momentum_value, positive_int,
+                           result_path, seed_value, trained_with)
 
 
 def parse_args(argv=None):
@@ -38,12 +39,12 @@ def parse_args(argv=None):
     ap.add_argument("--epochs", type=positive_int, default=25)
     ap.add_argument("--batch-size", type=positive_int, default=32,
                     help="per worker, at most its shard of the 1,437 training images")
-    ap.add_argument("--lr", type=float, default=0.05, help="per worker (see --lr-scaling)")
+    ap.add_argument("--lr", type=learning_rate, default=0.05, help="per worker (see --lr-scaling)")
     ap.add_argument("--lr-scaling", choices=["linear", "sqrt"], default="linear",
                     help="learning rate = lr x workers (linear) or lr x sqrt(workers)")
-    ap.add_argument("--momentum", type=float, default=0.9)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--result", help="rank 0 writes final figures here as JSON")
+    ap.add_argument("--momentum", type=momentum_value, default=0.9)
+    ap.add_argument("--seed", type=seed_value, default=0)
+    ap.add_argument("--result", type=result_path, help="rank 0 writes final figures here as JSON")
     ap.add_argument("--tensorboard", metavar="DIR", help="rank 0 logs loss, accuracy and stats() here")
     ap.add_argument("--progress", action="store_true", help="a progress bar per epoch (rank 0)")
     ap.add_argument("--checkpoint", metavar="DIR",
@@ -113,7 +114,7 @@ def main(argv=None):
     global_step, first_epoch = 0, 0
     if args.resume:
         first_epoch, global_step = load_checkpoint(args.checkpoint, rank, model, optimizer,
-                                                   compression, args.compression, gen)
+                                                   compression, trained_with(args, size), gen)
         if first_epoch >= args.epochs:
             raise SystemExit(f"--epochs {args.epochs}: the checkpoint in {args.checkpoint} has trained "
                              f"{first_epoch} epochs already; ask for more to resume")
@@ -148,7 +149,7 @@ def main(argv=None):
             writer.add_scalar("test/accuracy", accuracy, global_step)
         if args.checkpoint:
             save_checkpoint(args.checkpoint, rank, epoch + 1, global_step, model, optimizer,
-                            compression, args.compression, gen)
+                            compression, trained_with(args, size), gen)
         if rank == 0:
             print(f"epoch {epoch + 1:3d}/{args.epochs}  loss {mean_loss:.4f}  test accuracy "
                   f"{100 * accuracy:6.2f}%  gradient bytes/step {sent:9,} vs dense {dense_bytes:,} "
@@ -166,27 +167,26 @@ def main(argv=None):
                 json.dump(result, f)
 
 
-def save_checkpoint(directory, rank, epoch, global_step, model, optimizer, compression, name, gen):
+def save_checkpoint(directory, rank, epoch, global_step, model, optimizer, compression, record, gen):
     """What a resumable checkpoint holds, per rank: the model and optimizer (momentum) state, the
     position in training and the data order, and ScaleCom's state (this rank's residue memory and
-    step counters: every rank's memory differs, so every rank writes its own file), and ``name``, the
-    --compression it trained with."""
+    step counters: every rank's memory differs, so every rank writes its own file), and ``record``,
+    the arguments it trained with (``digits_common.trained_with``)."""
     os.makedirs(directory, exist_ok=True)
     state = {"epoch": epoch, "global_step": global_step, "model": model.state_dict(),
              "optimizer": optimizer.state_dict(), "data_order": gen.get_state(),
              "compression": compression.state_dict() if isinstance(compression, ScaleCom) else None,
-             "trained_with": name}
+             "trained_with": record}
     torch.save(state, os.path.join(directory, f"rank{rank}.pt"))
 
 
-def load_checkpoint(directory, rank, model, optimizer, compression, name, gen):
+def load_checkpoint(directory, rank, model, optimizer, compression, record, gen):
     """Restore what :func:`save_checkpoint` wrote for this rank; returns (epoch, global step). A
-    checkpoint trained with another --compression than ``name`` is refused (ScaleCom's memories
-    would be dropped, or missing)."""
+    checkpoint trained with other arguments than ``record`` says (another --compression, or another
+    --lr, --momentum, --lr-scaling or number of workers, which the restored optimizer would
+    silently keep) is refused."""
     state = torch.load(os.path.join(directory, f"rank{rank}.pt"), weights_only=False)
-    if state.get("trained_with", name) != name:
-        raise SystemExit(f"--compression {name}: the checkpoint in {directory} was trained with "
-                         f"--compression {state['trained_with']}; resume with that")
+    check_trained_with(state.get("trained_with", {}), record, directory)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     gen.set_state(state["data_order"])

@@ -11,7 +11,8 @@ Checkpoints (``--checkpoint DIR``): after every epoch each rank writes a ``tf.tr
 the model, the optimizer, the epoch and ScaleCom (its residue memories and step counters) to
 ``DIR/rank<R>``: the memories differ from rank to rank, so every rank saves and restores its own.
 ``--resume`` restores each rank's latest checkpoint and trains on to ``--epochs``, with the same
-steps as a run that was never interrupted (same size and arguments)::
+steps as a run that was never interrupted (same size and arguments: a checkpoint records its
+--compression, --lr, --momentum and number of workers, and a resume with others is refused)::
 
     horovodrun -np 2 -H localhost:2 --gloo python examples/tensorflow_scalecom.py \
         --epochs 10 --checkpoint ckpt
@@ -33,7 +34,8 @@ from sklearn.datasets import load_digits
 import horovod.tensorflow as hvd
 from hvd_scalecom.tensorflow import ScaleCom, make_train_step
 
-from digits_common import epoch_steps, positive_int
+from digits_common import (check_trained_with, epoch_steps, learning_rate, momentum_value, positive_int,
+                           result_path, seed_value, trained_with)
 
 
 def parse_args(argv=None):
@@ -51,11 +53,11 @@ def parse_args(argv=None):
     ap.add_argument("--epochs", type=positive_int, default=25)
     ap.add_argument("--batch-size", type=positive_int, default=32,
                     help="per worker, at most its shard of the 1,437 training images")
-    ap.add_argument("--lr", type=float, default=0.05, help="per worker: learning rate = lr x workers")
-    ap.add_argument("--momentum", type=float, default=0.9)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=learning_rate, default=0.05, help="per worker: learning rate = lr x workers")
+    ap.add_argument("--momentum", type=momentum_value, default=0.9)
+    ap.add_argument("--seed", type=seed_value, default=0)
     ap.add_argument("--eager", action="store_true", help="run the train step eagerly")
-    ap.add_argument("--result", help="rank 0 writes final figures here as JSON")
+    ap.add_argument("--result", type=result_path, help="rank 0 writes final figures here as JSON")
     ap.add_argument("--progress", action="store_true", help="a progress bar per epoch (rank 0)")
     ap.add_argument("--checkpoint", metavar="DIR", help="each rank checkpoints to DIR/rank<R> after "
                                                         "every epoch")
@@ -112,10 +114,11 @@ def main(argv=None):
 
     # Per rank: the model and optimizer are the same everywhere, ScaleCom's residue memories are not.
     epoch_done = tf.Variable(0, dtype=tf.int64, trainable=False)
-    trained_with = tf.Variable(args.compression, trainable=False)  # the --compression saved
+    record = trained_with(args, size)  # the arguments saved (as JSON)
+    record_saved = tf.Variable(json.dumps(record), trainable=False)
     tracked = {"compression": compression} if args.compression == "scalecom" else {}
     checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, epoch=epoch_done,
-                                     trained_with=trained_with, **tracked)
+                                     trained_with=record_saved, **tracked)
     manager = None
     if args.checkpoint:
         manager = tf.train.CheckpointManager(checkpoint, os.path.join(args.checkpoint, f"rank{rank}"),
@@ -123,17 +126,20 @@ def main(argv=None):
     if args.resume:
         if manager.latest_checkpoint is None:
             raise FileNotFoundError(f"--resume: no checkpoint in {args.checkpoint}/rank{rank}")
+        # Checked before restoring: another --compression would drop ScaleCom's memories (or miss
+        # them), and the optimizer restored keeps its --lr, --momentum and learning rate scaled for its
+        # number of workers. An older checkpoint's record is the --compression alone.
+        saved = tf.train.load_checkpoint(manager.latest_checkpoint).get_tensor(
+            "trained_with/.ATTRIBUTES/VARIABLE_VALUE").decode()
+        check_trained_with(json.loads(saved) if saved.startswith("{") else saved, record, args.checkpoint)
         checkpoint.restore(manager.latest_checkpoint).assert_existing_objects_matched()
-        if trained_with.numpy().decode() != args.compression:  # (ScaleCom's memories would be dropped)
-            raise SystemExit(f"--compression {args.compression}: the checkpoint in {args.checkpoint} was "
-                             f"trained with --compression {trained_with.numpy().decode()}; resume with that")
         if int(epoch_done) >= args.epochs:
             raise SystemExit(f"--epochs {args.epochs}: the checkpoint in {args.checkpoint} has trained "
                              f"{int(epoch_done)} epochs already; ask for more to resume")
 
     dense_bytes = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
     sent_by_dtype = {"fp16": dense_bytes // 2}.get(args.compression, dense_bytes)
-    order_gen = np.random.RandomState(args.seed * 1000 + rank)
+    order_gen = np.random.RandomState((args.seed * 1000 + rank) % 2 ** 32)  # (numpy's seeds: 32 bits)
     if rank == 0:
         n_params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
         print(f"{args.compression}: {size} workers, {n_params:,} parameters, "

@@ -1,6 +1,7 @@
 """The examples under horovodrun: a PyTorch run resumed from its checkpoint ends exactly where an
-uninterrupted run ends (model, optimizer, data order and each rank's residue memory restored), and
-both examples draw a progress bar on rank 0 only."""
+uninterrupted run ends (model, optimizer, data order and each rank's residue memory restored), a
+resume with other optimizer arguments is refused, both examples draw a progress bar on rank 0 only
+and name a bad argument."""
 
 import json
 import os
@@ -43,6 +44,42 @@ def test_resume_from_checkpoint_matches_an_uninterrupted_run(tmp_path):
 
 
 @pytest.mark.parametrize("example", ["pytorch_scalecom.py", "tensorflow_scalecom.py"])
+def test_resume_with_other_optimizer_arguments_is_refused(example, tmp_path):
+    """The checkpoint restores the optimizer with its learning rate and momentum: a resume given
+    others would silently train with the checkpoint's, so it is refused, naming both values."""
+    from hvd_scalecom.launch import HorovodRunError
+    ckpt = tmp_path / "ckpt"
+    common = [os.path.join(ROOT, "examples", example), "--compression", "dense", "--batch-size", "256",
+              "--checkpoint", str(ckpt)]
+    run([*common, "--epochs", "1"], np=2, timeout=300)
+    with pytest.raises(HorovodRunError, match=r"--lr 0\.1, --momentum 0\.5: the checkpoint in .* was trained "
+                                              r"with --lr 0\.05, --momentum 0\.9; resume with those"):
+        run([*common, "--epochs", "2", "--resume", "--lr", "0.1", "--momentum", "0.5"], np=2, timeout=300)
+
+
+def test_checkpoint_records_what_scales_the_learning_rate(monkeypatch):
+    """The record both examples check on resume (in-process): another number of workers or
+    --lr-scaling changes the scaled learning rate and is refused; an older checkpoint's bare
+    --compression name is checked alone."""
+    import argparse
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    from digits_common import check_trained_with, trained_with
+    args = argparse.Namespace(compression="scalecom", lr=0.05, momentum=0.9, lr_scaling="linear")
+    saved = trained_with(args, 2)
+    assert saved == {"--compression": "scalecom", "--lr": 0.05, "--momentum": 0.9, "--lr-scaling": "linear",
+                     "-np": 2}
+    check_trained_with(saved, trained_with(args, 2), "ckpt")  # the same: resumes
+    with pytest.raises(SystemExit, match="^-np 4: the checkpoint in ckpt was trained with -np 2; resume with that$"):
+        check_trained_with(saved, trained_with(args, 4), "ckpt")
+    args.lr_scaling = "sqrt"
+    with pytest.raises(SystemExit, match="^--lr-scaling sqrt: .* with --lr-scaling linear; resume with that$"):
+        check_trained_with(saved, trained_with(args, 2), "ckpt")
+    check_trained_with("scalecom", trained_with(args, 4), "ckpt")
+    with pytest.raises(SystemExit, match="^--compression scalecom: .* with --compression dense; resume with that$"):
+        check_trained_with("dense", trained_with(args, 2), "ckpt")
+
+
+@pytest.mark.parametrize("example", ["pytorch_scalecom.py", "tensorflow_scalecom.py"])
 def test_progress_bar_on_rank_0(example):
     output = run([os.path.join(ROOT, "examples", example), "--epochs", "1", "--progress"], np=2,
                  timeout=300)
@@ -68,6 +105,13 @@ def test_shards_of_different_sizes_take_the_same_steps(example, tmp_path):
     (["--batch-size", "-5"], "argument --batch-size: must be a positive integer, got -5"),
     (["--batch-size", "2000"], "--batch-size 2000 is larger than the smallest worker's shard of 1437"),
     (["--comp", "dense"], "unrecognized arguments: --comp dense"),  # no abbreviations
+    (["--lr", "nan"], "argument --lr: must be a finite number > 0, got nan"),  # (trained to NaN)
+    (["--lr", "inf"], "argument --lr: must be a finite number > 0, got inf"),
+    (["--lr", "-0.05"], "argument --lr: must be a finite number > 0, got -0.05"),  # (not the scaled -0.1)
+    (["--momentum", "1"], "argument --momentum: must be a number >= 0 and < 1, got 1"),
+    (["--seed", "-1"], "argument --seed: must be an integer from 0 to 2**32 - 1, got -1"),
+    (["--result", "/nonexistent_dir/r.json"],  # (refused before training, not after)
+     "argument --result: directory /nonexistent_dir does not exist"),
 ])
 def test_bad_example_arguments_are_named(example, arguments, message):
     import subprocess
