@@ -48,8 +48,9 @@ def check_saved_shape(name, entry, shape, what="parameter"):
     if not (isinstance(saved, (list, tuple)) and all(isinstance(n, (int, np.integer)) and not isinstance(n, bool)
                                                      and n >= 0 for n in saved)):
         raise ValueError(f"state shape of {name!r} must be a list of sizes, got {saved!r}")
-    if tuple(int(n) for n in saved) != tuple(shape):
-        raise ValueError(f"state of {name!r} was saved for a {what} of shape {tuple(int(n) for n in saved)}, "
+    saved = tuple(int(n) for n in saved)
+    if saved != tuple(shape):
+        raise ValueError(f"state of {name!r} was saved for a {what} of shape {saved}, "
                          f"this one has shape {tuple(shape)}")
 
 

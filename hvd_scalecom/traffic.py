@@ -19,23 +19,24 @@ from hvd_scalecom.config import check_int, check_kept_step
 
 def allreduce_bytes_sent(nbytes, n):
     """Bytes one worker sends in a ring allreduce of ``nbytes``."""
-    _check_workers(n, nbytes)
+    _check_counts(n, nbytes)
     return 2.0 * (n - 1) / n * nbytes if n > 1 else 0.0
 
 
 def broadcast_bytes_sent(nbytes, n):
     """Average bytes one worker sends in a pipelined broadcast of ``nbytes``."""
-    _check_workers(n, nbytes)
+    _check_counts(n, nbytes)
     return (n - 1) / n * nbytes if n > 1 else 0.0
 
 
 def allgather_bytes_sent(nbytes, n):
     """Bytes one worker sends in a ring allgather where each worker contributes ``nbytes``."""
-    _check_workers(n, nbytes)
+    _check_counts(n, nbytes)
     return float((n - 1) * nbytes)
 
 
-def _check_workers(n, nbytes):
+def _check_counts(n, nbytes):
+    """ValueError unless ``n`` (workers) is an int >= 1 and ``nbytes`` a finite number >= 0."""
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
         raise ValueError(f"n (workers) must be an int >= 1, got {n!r}")
     if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Real) or not 0 <= nbytes < float("inf"):

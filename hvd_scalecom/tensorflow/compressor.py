@@ -699,7 +699,7 @@ class ScaleCom(tf.Module, Compressor):
                                                  self.config.pipelined and slot.compressible)
         for name, entry in params.items():
             slot = self._by_name[name]
-            slot.step.assign(int(entry["step"]))
+            slot.step.assign(steps[name])
             slot.tally.assign([0, 0])
             slot.timing.assign(tf.zeros_like(slot.timing))
             if slot.fresh is not None:
