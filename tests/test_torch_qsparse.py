@@ -354,6 +354,23 @@ def test_qsgd_levels_stay_at_most_s_near_float_underflow():
     assert torch.equal(decoded, qsgd_top_k(kept, 127, noise)) and bool((decoded > 0).all())
 
 
+@pytest.mark.parametrize("operator", ["sign_top_k", "qsgd_top_k"])
+def test_finite_values_whose_sum_overflows_are_quantized_not_skipped(operator):
+    """||v||_2 of entries near 1e20 (and ||v||_1 near 1e38) overflows float32 while the operator's
+    result is representable: each is what the same values scaled down by 2^70 (an exact scaling) give,
+    scaled back, where an overflow used to turn the row into NaN and skip every memory update."""
+    drift = torch.tensor([[1e20, -2e20, 3e19, 0.0, 1.0, 7e19],
+                          [3e38, -3e38, 2e38, 0.0, 1.0, 1e38]])
+    noise = torch.full((2, 4), 0.5)
+    *_, c, memory = compress_delta(torch.zeros(2, 6), drift, 4, operator, 256, noise)
+    *_, c_small, memory_small = compress_delta(torch.zeros(2, 6), drift * 2.0**-70, 4, operator, 256, noise)
+    if operator == "qsgd_top_k":  # sqrt(4) * 3e38 is beyond float32: that row's norm cannot be sent
+        c, memory, c_small, memory_small = c[:1], memory[:1], c_small[:1], memory_small[:1]
+    assert bool(torch.isfinite(c).all()) and bool(torch.isfinite(memory).all())
+    torch.testing.assert_close(c, c_small * 2.0**70, rtol=1e-6, atol=0)
+    torch.testing.assert_close(memory, memory_small * 2.0**70, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("operator", ["top_k", "sign_top_k", "qsgd_top_k"])
 def test_one_row_at_a_time_equals_all_workers_at_once(operator):
     """What each Horovod rank computes on its own row equals the simulator's all-rows computation."""

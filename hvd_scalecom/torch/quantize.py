@@ -17,10 +17,32 @@ import math
 import torch
 
 
+def _per_row(homogeneous, values):
+    """``homogeneous(values)``, one value per row, for a function with ``f(a v) = a f(v)`` (a norm, a
+    mean of |v|); a row whose result overflows though its entries are finite (a sum of squares or of
+    |v| beyond the dtype's range) gets ``max|v| * f(v / max|v|)``, equal in exact arithmetic. Other
+    rows keep the plain result, bit for bit."""
+    out = homogeneous(values)
+    overflowed = torch.isinf(out)
+    if not bool(overflowed.any()):
+        return out
+    peak = values.abs().amax(dim=-1, keepdim=True)
+    overflowed &= torch.isfinite(peak)
+    peak = torch.where(overflowed, peak, torch.ones_like(peak))
+    return torch.where(overflowed, peak * homogeneous(values / peak), out)
+
+
+def _mean_abs(values):
+    return values.abs().sum(dim=-1, keepdim=True) / values.shape[-1]
+
+
+def _norm(values):
+    return values.norm(dim=-1, keepdim=True)
+
+
 def sign_top_k(values):
     """SignTopK on the kept values: ``(||v||_1 / k) * sign(v)`` per row."""
-    k = values.shape[-1]
-    return values.abs().sum(dim=-1, keepdim=True) / k * torch.sign(values)
+    return _per_row(_mean_abs, values) * torch.sign(values)
 
 
 def qsgd_levels(values, levels, noise):
@@ -28,7 +50,7 @@ def qsgd_levels(values, levels, noise):
 
     noise: uniform [0, 1) draws of ``values``' shape; the level rounds up where ``noise < remainder``.
     """
-    norm = values.norm(dim=-1, keepdim=True)
+    norm = _per_row(_norm, values)
     scaled = values.abs() / torch.where(norm > 0, norm, torch.ones_like(norm)) * levels
     lower = scaled.floor()
     # |v| <= ||v|| in exact arithmetic, so xi <= s; near float underflow the computed norm can fall
