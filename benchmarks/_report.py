@@ -6,6 +6,7 @@ text between its ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` markers and l
 """
 
 import os
+import platform
 import shlex
 import statistics
 import sys
@@ -19,6 +20,23 @@ HEADER = """# Performance
 Measured on this project's machine (2 shared cores, no GPU); every figure is a median of repeated
 runs taken side by side in one process or job, and each section names the command that made it.
 """
+
+
+def cpu():
+    """The CPU's model name from ``/proc/cpuinfo`` and whether it has AVX-512 (the native kernels run
+    other loops without it), e.g. ``"AMD EPYC, AVX-512"``; ``platform.processor()`` elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return platform.processor() or "unknown CPU"
+    field = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        field.setdefault(key.strip(), value.strip())
+    flags = field.get("flags", "").split()
+    return f"{field.get('model name', platform.processor() or 'unknown CPU')}, " + \
+        ("AVX-512" if "avx512f" in flags else "without AVX-512")
 
 
 def output_path(given, smoke, *default):

@@ -19,7 +19,7 @@ import tempfile
 
 import torch
 
-from benchmarks._report import command_line, interleaved, output_path
+from benchmarks._report import command_line, cpu, interleaved, output_path
 from hvd_scalecom.config import ScaleComConfig
 from hvd_scalecom.launch import run
 from hvd_scalecom.torch import ScaleCom, clt_k
@@ -91,7 +91,8 @@ def write_markdown(jobs, selection, path, command, epochs):
     lines = [
         "# ScaleCom options beyond the paper, measured",
         "",
-        f"Made by `{command}` (Gloo workers on one 2-core machine, one thread each; digits MLP of",
+        f"Made by `{command}` (Gloo workers on one {os.cpu_count()}-core machine, {cpu()}, one thread",
+        "each; digits MLP of",
         f"167,178 parameters, ratio 0.01, beta 0.5, {epochs} epoch{'s' if epochs > 1 else ''}). Bytes are "
         "what this rank handed to",
         "Horovod in the last step (values + indices + dense small tensors); the reduction is over the",

@@ -41,6 +41,7 @@ import time
 
 import numpy as np
 
+from benchmarks import _report
 from hvd_scalecom.launch import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -129,19 +130,13 @@ def verdict(ranks):
 
 
 def machine():
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
     memory = None
     try:
         with open("/proc/meminfo") as f:
             memory = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) * 1024
     except (OSError, StopIteration):
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": None if memory is None else memory / (1 << 30),
+    return {"cpu": _report.cpu(), "cores": os.cpu_count(), "memory_gib": None if memory is None else memory / (1 << 30),
             "os": platform.platform(), "python": platform.python_version(), "niceness": os.nice(0)}
 
 

@@ -13,6 +13,7 @@ def test_scalecom_options_smoke(tmp_path):
     text = out.read_text()
     assert "| dense | 2 |" in text and "| ScaleCom, defaults" in text
     assert "| 70,000 | 700 |" in text  # the selection table
+    assert "AVX-512, one thread" in text  # the machine's CPU
 
 
 def test_frontends_smoke(tmp_path):
