@@ -12,7 +12,7 @@
 #
 # Horovod (HOROVOD_VERSION) does not build as released against torch >= 2.1 and TF >= 2.19; two fixes are
 # applied to the unpacked source distribution at build time (see patch_horovod_source below).
-# The ~12-minute build happens once: the wheel is cached outside the repository, keyed by the
+# The build (minutes) happens once: the wheel is cached outside the repository, keyed by the
 # Horovod, torch, TensorFlow and Python versions and the build variant, and reused afterwards while
 # the build's recipe (the patches and flags below) is the one it was built by.
 set -euo pipefail
@@ -158,7 +158,7 @@ if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
       "python$PYTHON_VERSION-dev" >/dev/null || true
     has_python_headers || die "Horovod's build needs Python.h, which is not in $("$vpy" -c 'import sysconfig; print(sysconfig.get_paths()["include"])'): install the development headers of the Python that made $VENV (python$PYTHON_VERSION-dev for Debian's) and retry"
   fi
-  log "building Horovod $HOROVOD_VERSION ($key): about 12-16 minutes on 2 cores, once"
+  log "building Horovod $HOROVOD_VERSION ($key): several minutes, once"
   build="$(mktemp -d)"
   trap 'rm -rf "$build"' EXIT
   "$vpy" -m pip download -q --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$build" 2>&1 \

@@ -43,6 +43,19 @@ def test_adasum_is_a_clear_error(horovod_job):
                                       "built with op=hvd.Adasum" in section for section in sections)
 
 
+def test_hvd_join_ends_with_horovod_s_error_not_a_hang(horovod_job):
+    """Rank 0 joins after one step while rank 1 takes two more: Horovod 0.28.1 refuses the allgather of
+    ScaleCom's indices once a rank has joined, and the job ends on both ranks."""
+    from hvd_scalecom.launch import HorovodRunError
+    opts = {"steps": 3, "join": True, "per_rank": {"0": {"steps": 1}}}
+    with pytest.raises(HorovodRunError) as failure:
+        horovod_job("torch_scalecom.py", opts, np=2, timeout=120)
+    report = str(failure.value)
+    assert "timed out" not in report.split("\n", 1)[0]
+    rank1 = report.split("----- rank 1 -----", 1)[1]
+    assert "Allgather is not supported with Join" in rank1, rank1[-2000:]
+
+
 def test_a_process_set_given_to_the_optimizer_alone_ends_with_a_clear_error(horovod_job):
     """Rank 1, outside the optimizer's process set, never reduces: ScaleCom's comparison over all
     ranks waits for it, warning at Horovod's stall check interval and raising at its shutdown time."""

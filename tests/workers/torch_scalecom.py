@@ -282,6 +282,8 @@ for t in schedule:
         model.load_state_dict(snapshot[1])
         optimizer.load_state_dict(snapshot[2])
 
+if opts.get("join"):  # uneven data: this rank is out of batches (set "steps" per rank)
+    hvd.join()
 for name, p in named:
     record[f"final/{name}"] = p.detach().float().numpy()
 for name, entry in compression.state_dict()["params"].items():
