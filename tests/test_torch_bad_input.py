@@ -27,6 +27,20 @@ def test_tensor_that_is_no_parameters_gradient():
         compression.compress(torch.zeros(30, 40))
 
 
+def test_densified_sparse_gradients_of_one_shape_and_equal_values_are_refused_naming_both():
+    """With sparse_as_dense=True Horovod hands compress ``p.grad.to_dense()``, not ``p.grad``: two
+    embeddings summed on the same indices have equal gradients, and which memory goes with which
+    cannot be known."""
+    torch.manual_seed(0)
+    net = torch.nn.ModuleDict({"a": torch.nn.Embedding(50, 40, sparse=True),
+                               "b": torch.nn.Embedding(50, 40, sparse=True)})
+    compression = ScaleCom(net.named_parameters(), min_numel=16)
+    idx = torch.tensor([1, 7, 7, 30])
+    (net["a"](idx) + net["b"](idx)).pow(2).sum().backward()
+    with pytest.raises(ValueError, match=re.escape("cannot tell which of ['a.weight', 'b.weight']")):
+        compression.compress(net["a"].weight.grad.to_dense())
+
+
 def test_a_parameter_handed_over_names_adasum():
     net = model()
     compression = ScaleCom(net.named_parameters())
