@@ -89,6 +89,18 @@ def test_fp16_rounds_values_for_the_wire():
     assert np.isposinf(wide.update[0].numpy()).all()
 
 
+@pytest.mark.parametrize("make", [Dense, lambda: ScaleCom(min_numel=1024), lambda: PowerSGD(rank=2)])
+def test_the_dense_path_sums_fp16_as_horovod_and_keeps_fp32_and_fp64_exact(make):
+    """Uncompressed tensors (Dense(), ScaleCom's small tensors, PowerSGD's vectors) are averaged as
+    Horovod does: 4 fp16 gradients of 40,000 sum beyond 65,504, Inf; fp32 and fp64 means unchanged."""
+    wide = Simulator(make(), 4, [("b", torch.nn.Parameter(torch.zeros(8, dtype=torch.float16)))])
+    assert torch.isposinf(wide.step_stacked([torch.full((4, 8), 4e4).half()]).update[0]).all()
+    for dtype in (torch.float32, torch.float64):
+        G = torch.randn(4, 8, dtype=dtype, generator=torch.Generator().manual_seed(1))
+        sim = Simulator(make(), 4, [("b", torch.nn.Parameter(torch.zeros(8, dtype=dtype)))])
+        assert torch.equal(sim.step_stacked([G]).update[0], G.mean(dim=0))
+
+
 # -- ScaleCom ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("beta, leader, warmup, value_dtype, pipelined", [
@@ -401,6 +413,30 @@ def test_sketched_sgd_keeps_float64_gradients_in_float64():
     np.testing.assert_allclose(sim.scheme._v.numpy(), v, rtol=1e-12, atol=1e-12)
     sent = {c.tensor: c.nbytes for c in results[-1].traffic.collectives}
     assert (sent["sketch"], sent["candidates"]) == (3 * 16 * 8, 2 * 3 * 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sketched_sgd_sends_dense_momentum_in_the_gradients_wire_dtype(dtype):
+    """As the Horovod compressor: a dense tensor's (and, in warm-up, a sketched one's) momentum u_i is
+    cast to the gradient's wire dtype (fp16; bf16 travels as fp32), then averaged: fp16 values summed
+    beyond 65,504 are Inf."""
+    sim = Simulator(SketchedSGD(ratio=0.1, momentum=0.9, warmup_steps=2, min_numel=16), N,
+                    [("w", torch.nn.Parameter(torch.zeros(8, 8, dtype=dtype))),
+                     ("b", torch.nn.Parameter(torch.zeros(64, dtype=dtype)))])
+    gen = torch.Generator().manual_seed(0)
+    u = torch.zeros(N, 128)
+    for _ in range(2):  # warm-up: both tensors dense
+        g = (torch.randn(N, 128, generator=gen) * 3).to(dtype)
+        result = sim.step_stacked([g[:, :64].reshape(N, 8, 8), g[:, 64:]])
+        u = 0.9 * u + g.float()
+        sent = u.half() if dtype == torch.float16 else u
+        want = ((sent.float().sum(dim=0)) / N).to(sent.dtype).to(dtype)
+        assert torch.equal(result.update[0].reshape(-1), want[:64])
+        assert torch.equal(result.update[1], want[64:])
+    big = sim.step_stacked([torch.zeros(N, 8, 8, dtype=dtype), torch.full((N, 64), 4e4).to(dtype)]).update[1]
+    assert torch.isposinf(big).all() == (dtype == torch.float16)
+    if dtype == torch.bfloat16:
+        assert torch.equal(big, ((0.9 * u[:, 64:] + 4e4).sum(dim=0) / N).to(dtype))
 
 
 def test_count_sketch_is_linear_and_finds_heavy_hitters():

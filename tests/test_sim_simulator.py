@@ -1,8 +1,10 @@
 """The Simulator's API: inputs, checkpoints, local models, vectorised gradients, training, cost at n = 64."""
 
+import dataclasses
 import io
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -286,3 +288,144 @@ def test_64_workers_on_a_167k_parameter_mlp():
         result.apply_to(model.parameters(), optimizer)
     print({k: round(v, 3) for k, v in timings.items()})
     assert max(timings.values()) < 10.0, timings
+
+
+def test_apply_to_checks_every_shape_before_changing_any_parameter():
+    """A parameter whose shape is not its update's (even of the same numel) is refused, naming it,
+    before the earlier parameters' gradients or values are set."""
+    a, b = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(3, 2))
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(2, 4, generator=gen), torch.randn(2, 3, 2, generator=gen)]
+    gradient = Simulator(ScaleCom(ratio=0.5, min_numel=0), 2, [("a", a), ("b", b)]).step_stacked(grads)
+    model = Simulator(QsparseLocalSGD(lr=0.1, local_steps=1, ratio=0.5), 2, [("a", a), ("b", b)]).step_stacked(grads)
+    for result in (gradient, model):
+        x, y = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(2, 3))  # y: same numel
+        with pytest.raises(ValueError, match=r"parameter 1 \('b'\) has shape \(2, 3\), its update \(3, 2\)"):
+            result.apply_to([x, y])
+        assert x.grad is None and torch.equal(x.detach(), torch.zeros(4))
+        with pytest.raises(TypeError, match="parameter 0 .'a'. must be a tensor, got list"):
+            result.apply_to([[0.0] * 4, b])
+    result = dataclasses.replace(model, names=None)
+    with pytest.raises(ValueError, match=r"^parameter 1 has shape \(5,\), its update \(3, 2\)$"):
+        result.apply_to([a, torch.nn.Parameter(torch.zeros(5))])
+    assert torch.equal(a.detach(), torch.zeros(4))
+    result.apply_to([a, b])
+    assert torch.equal(b.detach(), model.model[1])
+
+
+def test_step_stacked_refuses_non_tensors_and_dtypes_without_a_byte_size_before_any_change():
+    a = torch.nn.Parameter(torch.zeros(8))
+    sim = Simulator(ScaleCom(ratio=0.25, min_numel=0), 2, [("a", a), ("b", torch.nn.Parameter(torch.zeros(4)))])
+    for bad, name in ((None, "NoneType"), (np.zeros((2, 4), np.float32), "ndarray"), ([[0.0] * 4] * 2, "list")):
+        with pytest.raises(TypeError, match=f"gradient of 'b' must be a tensor, got {name}"):
+            sim.step_stacked([torch.randn(2, 8), bad])
+    eight = torch.zeros(2, 4).to(torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="gradient of 'b' is torch.float8_e4m3fn, expected float16, bfloat16"):
+        sim.step_stacked([torch.randn(2, 8), eight])
+    with pytest.raises(TypeError, match="'b' from worker 0 is torch.float8_e4m3fn, expected float16, bfloat16"):
+        sim.step([[torch.randn(8), eight[i]] for i in range(2)])
+    assert sim.step_count == 0 and "memory" not in sim.scheme.state["a"] and sim.history == []
+    with pytest.raises(TypeError, match="parameter 'b' is torch.float8_e4m3fn; the simulator takes float16"):
+        Simulator(Dense(), 2, [("a", a), ("b", torch.zeros(4, dtype=torch.float8_e4m3fn))])
+
+
+def test_a_sketched_sgd_refused_by_a_simulator_can_be_bound_by_another():
+    scheme = SketchedSGD(ratio=1.0, min_numel=0)
+    with pytest.raises(ValueError, match="columns, 2"):  # 10 k >= 2**31 columns
+        Simulator(scheme, 2, [("w", torch.empty(15000, 15000, device="meta"))])
+    assert scheme.specs is None
+    sim = Simulator(scheme, 2, [("w", torch.nn.Parameter(torch.zeros(64, 64)))])
+    assert sim.step_stacked([torch.ones(2, 64, 64)]).update[0].shape == (64, 64)
+
+
+def test_a_non_contiguous_saved_memory_is_loaded_as_a_contiguous_copy():
+    params = [("a", torch.nn.Parameter(torch.zeros(6))), ("b", torch.nn.Parameter(torch.zeros(6)))]
+    sims = [Simulator(ScaleCom(ratio=0.5, min_numel=0), 2, params) for _ in range(2)]
+    gen = torch.Generator().manual_seed(0)
+    grads = [[torch.randn(2, 6, generator=gen) for _ in params] for _ in range(2)]
+    memory = torch.randn(6, 2, generator=gen).t()  # (2, 6), not contiguous
+    for sim, saved_memory in zip(sims, (memory, memory.contiguous())):
+        sim.step_stacked(grads[0])
+        saved = sim.state_dict()
+        saved["scheme"]["state"]["b"]["memory"] = saved_memory
+        sim.load_state_dict(saved)
+        assert sim.scheme.state["b"]["memory"].is_contiguous()
+        assert sim.scheme.state["b"]["memory"].data_ptr() != saved_memory.data_ptr()
+    first, second = (sim.step_stacked(grads[1]).update for sim in sims)
+    assert all(torch.equal(u, v) for u, v in zip(first, second))
+    sketched = Simulator(SketchedSGD(ratio=0.1, min_numel=0), 2, [("w", torch.nn.Parameter(torch.zeros(8, 8)))])
+    sketched.step_stacked([torch.randn(2, 8, 8, generator=gen)])
+    saved = sketched.state_dict()
+    saved["scheme"]["extra"] = {key: torch.randn(64, 2, generator=gen).t() for key in ("u", "v")}
+    sketched.load_state_dict(saved)
+    assert sketched.scheme._u.is_contiguous() and sketched.scheme._v.is_contiguous()
+    torch.testing.assert_close(sketched.scheme._u, saved["scheme"]["extra"]["u"], rtol=0, atol=0)
+
+
+def test_qsparse_generator_state_is_checked_before_anything_changes():
+    sim = Simulator(QsparseLocalSGD(lr=0.1, local_steps=1, operator="qsgd_top_k"), 2,
+                    [("w", torch.nn.Parameter(torch.zeros(50)))])
+    sim.step_stacked([torch.randn(2, 50)])
+    before = sim.state_dict()
+    for extra, error, text in ((None, TypeError, "generator must be a torch.ByteTensor .*got NoneType"),
+                               ({}, TypeError, "generator must be a torch.ByteTensor .*got NoneType"),
+                               ({"generator": torch.zeros(5)}, TypeError, "ByteTensor .*got torch.float32"),
+                               ({"generator": torch.zeros(5, dtype=torch.uint8)}, ValueError,
+                                "QsparseLocalSGD state generator is not a CPU generator's state")):
+        saved = sim.state_dict()
+        saved["scheme"]["state"]["w"]["local"] += 1
+        if extra is None:
+            del saved["scheme"]["extra"]
+        else:
+            saved["scheme"]["extra"] = extra
+        with pytest.raises(error, match=text):
+            sim.load_state_dict(saved)
+        assert torch.equal(sim.scheme.generator.get_state(), before["scheme"]["extra"]["generator"])
+        assert torch.equal(sim.scheme.state["w"]["local"], before["scheme"]["state"]["w"]["local"])
+
+
+def test_sketched_sgd_state_without_u_and_v_is_refused():
+    sim = Simulator(SketchedSGD(ratio=0.05, min_numel=0), 2, [("w", torch.nn.Parameter(torch.zeros(40, 40)))])
+    for _ in range(2):
+        sim.step_stacked([torch.randn(2, 40, 40)])
+    u = sim.scheme._u.clone()
+    for extra, text in ((None, "got NoneType"), ({}, r"got keys \[\]"), ({"u": u}, r"got keys \['u'\]")):
+        saved = sim.state_dict()
+        saved["scheme"]["extra"] = extra
+        with pytest.raises(ValueError, match="SketchedSGD state extra must be a dict of u and v.*" + text):
+            sim.load_state_dict(saved)
+        assert torch.equal(sim.scheme._u, u)
+    saved = sim.state_dict()
+    del saved["scheme"]["extra"]
+    with pytest.raises(ValueError, match="extra must be a dict of u and v"):
+        sim.load_state_dict(saved)
+
+
+def test_per_worker_gradients_draw_a_dropout_mask_per_worker():
+    """Dropout in training mode: each worker its own mask (vmap's randomness="different"), the same in
+    its forward and backward pass: the second layer's weight gradient is 2 h or 0 where the first
+    layer's row is (not) zero, and the workers, on the same input, differ."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 1))
+    sim = Simulator(Dense(), 4, model.named_parameters())
+    x = torch.randn(1, 1, 6).expand(4, 1, 6)
+    w1, _, w2, _ = per_worker_gradients(model, lambda out, y: out.sum(), sim.worker_params(), x, torch.zeros(4, 1))
+    h = model[0](x[0, 0]).detach()
+    kept = w1.abs().sum(dim=2) != 0  # (4, 16): the entries each worker's mask kept
+    torch.testing.assert_close(w2[:, 0], torch.where(kept, 2 * h, torch.zeros(())), rtol=1e-6, atol=0)
+    assert 0 < kept.sum() < kept.numel() and len({tuple(row.tolist()) for row in kept}) > 1
+
+
+def test_history_entries_of_a_loaded_state_must_hold_the_summed_byte_counts():
+    sim = Simulator(ScaleCom(), 2, [("w", torch.nn.Parameter(torch.zeros(3)))])
+    sim.step_stacked([torch.randn(2, 3)])
+    for entry, text in (({"step": 0}, "entry 0 lacks numbers for index_bytes, value_bytes"),
+                        ({**sim.history[0], "sent_bytes": "12"}, "entry 0 lacks numbers for sent_bytes$"),
+                        ({**sim.history[0], "dense_bytes": True}, "entry 0 lacks numbers for dense_bytes$")):
+        saved = sim.state_dict()
+        saved["history"] = [entry]
+        saved["step"] = 5
+        with pytest.raises(ValueError, match=text):
+            sim.load_state_dict(saved)
+        assert sim.step_count == 1 and len(sim.history) == 1
+    assert sim.totals()["steps"] == 1

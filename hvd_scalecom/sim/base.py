@@ -100,7 +100,7 @@ class Scheme:
                 updates.append(self.compress(spec, G, t, record, diagnostics))
             else:
                 record.dense(spec.name, spec.numel, G.dtype)
-                updates.append(G.mean(dim=0))
+                updates.append(mean_over_workers(G))  # (fp16: a sum beyond its range is Inf, as on Horovod)
         diagnostics.update(self.residue_diagnostics())
         return updates, record, public(diagnostics)
 
@@ -187,7 +187,8 @@ class Scheme:
                     raise TypeError(f"state {key} of {spec.name!r} must be a floating-point tensor, "
                                     f"got {value.dtype}")
                 self.check_state(spec, key, value)
-        state = {spec.name: {k: v.detach().to(self.state_dtype(spec, k) or v.dtype, copy=True)
+        state = {spec.name: {k: v.detach().to(self.state_dtype(spec, k) or v.dtype, copy=True,
+                                              memory_format=torch.contiguous_format)  # (steps view them)
                              for k, v in saved["state"][spec.name].items()}
                  for spec in self.specs}
         self.load_extra_state(saved.get("extra", {}))  # may raise: before anything else changes

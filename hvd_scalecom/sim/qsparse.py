@@ -164,4 +164,13 @@ class QsparseLocalSGD(Scheme):
         return {"generator": self.generator.get_state()}
 
     def load_extra_state(self, extra):
-        self.generator.set_state(extra["generator"])
+        """The QSGD noise generator's state, tried on a generator of its own before it is set."""
+        generator = extra.get("generator") if isinstance(extra, dict) else None
+        if not (isinstance(generator, torch.Tensor) and generator.dtype == torch.uint8):
+            raise TypeError(f"QsparseLocalSGD state generator must be a torch.ByteTensor (Generator.get_state()), "
+                            f"got {getattr(generator, 'dtype', type(generator).__name__)}")
+        try:
+            torch.Generator().set_state(generator)
+        except RuntimeError as err:
+            raise ValueError(f"QsparseLocalSGD state generator is not a CPU generator's state: {err}") from None
+        self.generator.set_state(generator)

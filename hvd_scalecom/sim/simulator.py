@@ -7,17 +7,23 @@ returns the update every worker applies with the step's traffic and diagnostics.
 """
 
 import dataclasses
+import numbers
 
 import torch
 
 from hvd_scalecom.config import check_int
 from hvd_scalecom.sim.base import Scheme, TensorSpec
-from hvd_scalecom.sim.traffic import StepRecord
+from hvd_scalecom.sim.traffic import ITEMSIZE, StepRecord, dtype_name
 from hvd_scalecom.torch.common import named_parameter_list
 
 _SUMMED = ("index_bytes", "value_bytes", "dense_bytes", "payload_bytes", "sent_index_bytes",
            "sent_value_bytes", "sent_dense_bytes", "sent_bytes", "uncompressed_bytes",
            "uncompressed_sent_bytes")
+_DTYPES = "float16, bfloat16, float32 or float64"  # the floating-point dtypes the byte counts know
+
+
+def _supported(dtype):
+    return dtype.is_floating_point and dtype_name(dtype) in ITEMSIZE
 
 
 @dataclasses.dataclass
@@ -30,6 +36,7 @@ class StepResult:
     diagnostics: scheme-specific figures, e.g. ``residue_norm``, ``overlap`` (ScaleCom).
     model: for ``kind == "model"``, the shared model after the step (one tensor per parameter, in
         the scheme's dtype: fp32 at least); None otherwise.
+    names: the parameters' names (for error messages); None where unknown.
     """
 
     update: list
@@ -37,6 +44,7 @@ class StepResult:
     diagnostics: dict
     kind: str
     model: list = None
+    names: list = None
 
     def apply_to(self, params, optimizer=None):
         """Apply the update to ``params`` (the caller's single copy of the model).
@@ -45,10 +53,17 @@ class StepResult:
         Model kind: sets each parameter to the shared model (the workers' optimizer ran inside the
         scheme), rounded to the parameter's dtype as each worker's copy is: with fp16 or bf16
         parameters, adding the rounded changes step after step would drift away from it.
+        Every parameter's shape is checked before any is changed.
         """
         params = list(params)
         if len(params) != len(self.update):
             raise ValueError(f"got {len(params)} parameters for {len(self.update)} updates")
+        for j, (p, u) in enumerate(zip(params, self.update)):
+            label = f"parameter {j}" + (f" ({self.names[j]!r})" if self.names else "")
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"{label} must be a tensor, got {type(p).__name__}")
+            if p.shape != u.shape:
+                raise ValueError(f"{label} has shape {tuple(p.shape)}, its update {tuple(u.shape)}")
         with torch.no_grad():
             for j, (p, u) in enumerate(zip(params, self.update)):
                 if self.kind == "model":
@@ -86,6 +101,9 @@ class Simulator:
                              f"{type(scheme).__name__} for each Simulator")
         check_int(n_workers, "n_workers", 1)
         pairs = named_parameter_list(named_parameters, "Simulator")
+        for name, p in pairs:
+            if p.dtype.is_floating_point and not _supported(p.dtype):
+                raise TypeError(f"parameter {name!r} is {p.dtype}; the simulator takes {_DTYPES}")
         self.names = [name for name, _ in pairs]
         self.params = [p for _, p in pairs]
         self.specs = [TensorSpec(i, name, tuple(p.shape), p.numel(), p.dtype)
@@ -144,8 +162,8 @@ class Simulator:
                 elif tuple(g.shape) != spec.shape:
                     raise ValueError(f"gradient of {spec.name!r} from worker {i} has shape {tuple(g.shape)}, "
                                      f"expected {spec.shape}")
-                elif not g.dtype.is_floating_point or (rows and g.dtype != rows[0].dtype):
-                    expected = "floating point" if not rows else f"worker 0's dtype, {rows[0].dtype}"
+                elif not _supported(g.dtype) or (rows and g.dtype != rows[0].dtype):
+                    expected = _DTYPES if not rows else f"worker 0's dtype, {rows[0].dtype}"
                     raise TypeError(f"gradient of {spec.name!r} from worker {i} is {g.dtype}, expected {expected}")
                 rows.append(g.detach())
             stacked.append(torch.stack(rows))
@@ -157,11 +175,13 @@ class Simulator:
             raise ValueError(f"expected {len(self.specs)} stacked gradients, got {len(grads)}")
         flat = []
         for spec, g in zip(self.specs, grads):
+            if not isinstance(g, torch.Tensor):
+                raise TypeError(f"gradient of {spec.name!r} must be a tensor, got {type(g).__name__}")
             if tuple(g.shape) != (self.n, *spec.shape):
                 raise ValueError(f"gradient of {spec.name!r} has shape {tuple(g.shape)}, expected "
                                  f"{(self.n, *spec.shape)}")
-            if not g.dtype.is_floating_point:
-                raise TypeError(f"gradient of {spec.name!r} is {g.dtype}, expected floating point")
+            if not _supported(g.dtype):
+                raise TypeError(f"gradient of {spec.name!r} is {g.dtype}, expected {_DTYPES}")
             flat.append(g.detach().reshape(self.n, spec.numel))
         with torch.no_grad():
             updates, record, diagnostics = self.scheme.step(flat, self.step_count)
@@ -173,7 +193,7 @@ class Simulator:
         model = None
         if self.scheme.kind == "model":  # (a copy: the scheme's x_last changes at later steps)
             model = [shared.clone() for shared in self.scheme.shared_params()]
-        return StepResult(update, record, diagnostics, self.scheme.kind, model)
+        return StepResult(update, record, diagnostics, self.scheme.kind, model, list(self.names))
 
     def totals(self):
         """Byte counts summed over all steps so far (per worker), and the overall ``ratio``."""
@@ -198,6 +218,10 @@ class Simulator:
         history = state.get("history")
         if not (isinstance(history, list) and all(isinstance(h, dict) for h in history)):
             raise TypeError(f"state history must be a list of dicts, got {type(history).__name__}")
+        for i, h in enumerate(history):
+            bad = [key for key in _SUMMED if not isinstance(h.get(key), numbers.Real) or isinstance(h[key], bool)]
+            if bad:
+                raise ValueError(f"state history entry {i} lacks numbers for {', '.join(bad)}")
         self.scheme.load_state_dict(state.get("scheme"))
         self.step_count = step
         self.history = [dict(h) for h in history]

@@ -18,7 +18,8 @@ A non-finite ``S`` (a NaN or Inf in some worker's gradient) skips steps 3-5, as 
 NaN and the non-finite entries of ``u_i`` and ``v_i`` are reset to 0 (counted in ``nonfinite_skips``);
 so are a dense tensor's (applied as they are, NaN included).
 
-Uncompressed tensors get the same momentum and are applied densely (``mean_i u_i``). The learning rate
+Uncompressed tensors get the same momentum and are applied densely (``mean_i u_i``, each ``u_i`` cast to
+the gradient's dtype for the wire as on Horovod: an fp16 sum beyond 65,504 is Inf). The learning rate
 is the caller's: the paper's ``v <- v + lr u`` equals this with a constant learning rate. The caller's
 optimizer should therefore run without momentum of its own.
 
@@ -31,9 +32,10 @@ import torch
 
 from hvd_scalecom.baseline_config import SketchedSGDConfig
 from hvd_scalecom.config import ScaleComConfig
-from hvd_scalecom.sim.base import Scheme, public
+from hvd_scalecom.sim.base import Scheme, mean_over_workers, public
 from hvd_scalecom.sim.traffic import StepRecord
 from hvd_scalecom.torch import clt_k
+from hvd_scalecom.torch.common import wire_dtype
 from hvd_scalecom.torch.sketch import CountSketch
 from hvd_scalecom.torch.sketched_steps import (accumulate_, applied_update, heavy_candidates,
                                                reset_nonfinite_, select_applied, skip_nonfinite_, vector_dtype,
@@ -67,11 +69,11 @@ class SketchedSGD(Scheme):
         self.seed = settings.seed
 
     def bind(self, specs, n, params):
+        sketched = [s for s in specs if self.settings.is_sketched(s.shape)]
+        k = self.settings.num_selected([s.numel for s in sketched])
+        c = self.settings.num_columns(k)  # may raise: before the scheme is bound
         super().bind(specs, n, params)
-        self.sketched = [s for s in self.specs if self.settings.is_sketched(s.shape)]
-        self.numel = sum(s.numel for s in self.sketched)
-        self.k = self.settings.num_selected([s.numel for s in self.sketched])
-        self.c = self.settings.num_columns(self.k)
+        self.sketched, self.numel, self.k, self.c = sketched, sum(s.numel for s in sketched), k, c
         self.sketch = None  # the count sketch (its hashes' seeds), built at the first step
         self._u = None  # (n, numel) momentum of the sketched coordinates
         self._v = None  # (n, numel) error accumulation
@@ -90,27 +92,34 @@ class SketchedSGD(Scheme):
                 u = self.memory(spec, G, key="momentum")
                 u.mul_(self.momentum).add_(G)
                 record.dense(spec.name, spec.numel, G.dtype)
-                updates[spec.name] = u.mean(dim=0).to(G.dtype)
+                updates[spec.name] = self._dense_mean(u, G.dtype)
                 reset_nonfinite_(u)
         if self.sketched:
             G = torch.cat([by_name[s.name] for s in self.sketched], dim=1)
             if self._u is None:
                 self._u = torch.zeros(G.shape, dtype=vector_dtype([G.dtype]), device=G.device)  # as on Horovod
                 self._v = torch.zeros_like(self._u)
+            sizes = [s.numel for s in self.sketched]
             if t < self.config.warmup_steps:  # dense momentum SGD, nothing accumulated in v
                 self._u.mul_(self.momentum).add_(G)
-                update = self._u.mean(dim=0)
-                reset_nonfinite_(self._u)
-                for spec in self.sketched:
+                for spec, u in zip(self.sketched, torch.split(self._u, sizes, dim=1)):
                     record.dense(spec.name, spec.numel, by_name[spec.name].dtype)
+                    updates[spec.name] = self._dense_mean(u, by_name[spec.name].dtype)
+                reset_nonfinite_(self._u)
             else:
                 update = self._sketched_step(G, record, diagnostics)
-            for spec, part in zip(self.sketched, torch.split(update, [s.numel for s in self.sketched])):
-                updates[spec.name] = part.to(by_name[spec.name].dtype)
+                for spec, part in zip(self.sketched, torch.split(update, sizes)):
+                    updates[spec.name] = part.to(by_name[spec.name].dtype)
         if self._v is not None:
             norms = torch.linalg.vector_norm(self._v, dim=1).double()
             diagnostics.update(residue_norms=norms, residue_norm=float(norms.mean()))
         return [updates[s.name] for s in self.specs], record, public(diagnostics)
+
+    @staticmethod
+    def _dense_mean(u, dtype):
+        """The allreduce-average of the rows of ``u`` as Horovod gets them: cast to the gradient's
+        wire dtype (bfloat16 travels as float32), back in ``dtype``."""
+        return mean_over_workers(u.to(wire_dtype(dtype))).to(dtype)
 
     def _sketched_step(self, G, record, diagnostics):
         n, numel = G.shape
@@ -148,8 +157,10 @@ class SketchedSGD(Scheme):
     def load_extra_state(self, extra):
         """The momentum ``u`` and error accumulation ``v`` of the sketched coordinates: both None, or
         two tensors of the same ``(n, sketched entries)`` shape; checked before either is set."""
-        extra = extra if isinstance(extra, dict) else {}
-        u, v = extra.get("u"), extra.get("v")
+        if not (isinstance(extra, dict) and {"u", "v"} <= set(extra)):
+            raise ValueError(f"SketchedSGD state extra must be a dict of u and v (its state_dict()'s), got "
+                             f"{f'keys {list(extra)}' if isinstance(extra, dict) else type(extra).__name__}")
+        u, v = extra["u"], extra["v"]
         if not (u is None and v is None) and not (
                 isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor)
                 and u.dtype.is_floating_point and v.dtype.is_floating_point
@@ -159,5 +170,5 @@ class SketchedSGD(Scheme):
                              f"{getattr(u, 'dtype', '')} and {getattr(v, 'shape', v)!r} {getattr(v, 'dtype', '')}")
         if u is not None:  # kept as the first step makes them: fp32 at least, as the gradients' dtype
             dtype = vector_dtype([s.dtype for s in self.sketched])
-            u, v = u.to(dtype, copy=True), v.to(dtype, copy=True)
+            u, v = (x.to(dtype, copy=True, memory_format=torch.contiguous_format) for x in (u, v))
         self._u, self._v = u, v

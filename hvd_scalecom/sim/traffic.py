@@ -31,7 +31,10 @@ CARRIES = ("index", "value", "dense")
 
 def itemsize(dtype):
     """Bytes of one entry of ``dtype`` (a name such as ``"float16"``, or a torch dtype)."""
-    return ITEMSIZE[str(dtype).rsplit(".", 1)[-1]]
+    name = dtype_name(dtype)
+    if name not in ITEMSIZE:
+        raise ValueError(f"dtype {name} has no byte size here (known: {', '.join(ITEMSIZE)})")
+    return ITEMSIZE[name]
 
 
 def dtype_name(dtype):

@@ -16,6 +16,8 @@ def per_worker_gradients(model, loss_fn, worker_params, inputs, targets, names=N
         shape does not match.
     Buffers are the model's own, shared by all workers and read only: a model that updates them in
     its forward pass (batch norm in training mode) is refused; call ``model.eval()`` first.
+    Random operations (dropout in training mode) draw independently for each worker, from torch's
+    global generator: each worker has its own dropout mask, used in its forward and backward pass.
     """
     if model.training and any(isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats
                               for m in model.modules()):
@@ -41,5 +43,6 @@ def per_worker_gradients(model, loss_fn, worker_params, inputs, targets, names=N
         return loss_fn(functional_call(model, state, (x,)), y)
 
     with torch.enable_grad():
-        grads = vmap(grad(loss_of), in_dims=(0, 0, 0))(tuple(worker_params), inputs, targets)
+        per_worker = vmap(grad(loss_of), in_dims=(0, 0, 0), randomness="different")
+        grads = per_worker(tuple(worker_params), inputs, targets)
     return list(grads)
