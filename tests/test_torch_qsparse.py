@@ -40,6 +40,10 @@ add_run("np2_second", "qsparse_different_models", "torch_seed_qsparse.py",
         {"operator": "top_k", "local_steps": 2, "ratio": 0.05, "min_numel": 600, "steps": 2,
          "skip_broadcast": True, "model_seed_offset": 1},
         ["test_ranks_starting_from_different_models_all_raise"], fails=True)
+RETRY = {"operator": "top_k", "local_steps": 2, "ratio": 0.05, "min_numel": 600, "steps": 4,
+         "skip_broadcast": True, "model_seed_offset": 1, "broadcast_after_refusal": True}
+add_run("np2_second", "qsparse_retry_after_broadcast", "torch_seed_qsparse.py", RETRY,
+        ["test_a_first_step_refused_for_different_models_succeeds_once_the_model_is_broadcast"])
 add_run("np2_reload", "qsparse_partial_reload", "torch_seed_qsparse.py",
         {"operator": "top_k", "local_steps": 2, "ratio": 0.05, "min_numel": 600, "steps": 6,
          "reload": {"save_at": 1, "load_at": 3, "rank": 1}},
@@ -237,7 +241,11 @@ def test_one_rank_and_float64_parameters_match_the_simulator(request, tmp_path_f
     follow(reference(FLOAT64_TOP_K, 1), wide, 4, rtol=1e-12, atol=1e-14)
     assert np.count_nonzero(updates[1]["hidden.weight"].numpy()) == 154
     stats = json.loads(str(wide[0]["stats/1"]))
-    assert (stats["index_bytes"], stats["value_bytes"]) == (4 * (154 + 32), 8 * (154 + 32))
+    assert (stats["index_bytes"], stats["value_bytes"], stats["dense_bytes"]) == \
+        (4 * (154 + 32), 8 * (154 + 32), 8 * (64 + 10))
+    from hvd_scalecom.torch import qsparse_local_sgd  # as the docs say
+    assert "fp64, 8 bytes, for fp64 parameters" in qsparse_local_sgd.__doc__
+    assert "fp32, fp64 for fp64 parameters" in qsparse_local_sgd.QsparseLocalSGD.stats.__doc__
 
 
 def test_a_nan_in_one_ranks_model_reaches_every_rank_and_no_memory(request, tmp_path_factory):
@@ -299,6 +307,16 @@ def test_ranks_starting_from_different_models_all_raise(request, tmp_path_factor
             in by_rank[rank]
         assert "hvd.broadcast_parameters(model.state_dict(), root_rank=0)" in by_rank[rank]
 
+
+def test_a_first_step_refused_for_different_models_succeeds_once_the_model_is_broadcast(request, tmp_path_factory):
+    """Ranks start from different models: the first step() is refused, having changed nothing (x_last
+    included); the model broadcast from rank 0, as the error advises, the same step succeeds and the run
+    follows the reference from rank 0's model."""
+    results = completed(shared_job("np2_second", request, tmp_path_factory), "qsparse_retry_after_broadcast", 2)
+    for r in results:
+        assert "configured differently on different ranks (shared_digest differ)" in str(r["refused"])
+    follow(reference(RETRY, 2), results, 4)
+    check_synchronised(results, 3)
 
 
 @pytest.mark.parametrize("job", ["np2_reload", "np2_reload_dense"])
@@ -463,6 +481,10 @@ def test_state_dict_round_trip_and_checks():
         QsparseLocalSGD(optimizer, model.named_parameters(), local_steps=5, ratio=0.1).load_state_dict(state)
     with pytest.raises(ValueError, match="returned by QsparseLocalSGD.state_dict"):
         wrapped.load_state_dict(optimizer.state_dict())
+    for part in (None, [1]):
+        with pytest.raises(TypeError, match=rf"state_dict\['qsparse_local_sgd'\] must be a dict .*, "
+                                            rf"got {type(part).__name__}"):
+            wrapped.load_state_dict({**state, "qsparse_local_sgd": part})
     short = {**state, "qsparse_local_sgd": {**mine, "generator": torch.zeros(7, dtype=torch.uint8)}}
     with pytest.raises(ValueError, match="generator"):  # checked before anything changes
         wrapped.load_state_dict(short)
@@ -487,3 +509,39 @@ def test_state_dict_round_trip_and_checks():
     assert restored["step"] == 6
     assert torch.equal(restored["params"]["0.weight"]["memory"], torch.full((1200,), 0.25))  # (fp32)
     assert torch.equal(wrapped.shared_parameters()["1.weight"], torch.full((2, 30), 0.5))
+
+
+def test_step_hooks_deepcopy_and_pickle():
+    """torch's step hooks run around step(); a deepcopy or pickle of (model, wrapper) carries the whole
+    wrapper (its state, not its hooks, as torch's optimizers) and trains on exactly as the original."""
+    import copy
+    import pickle
+
+    import horovod.torch as hvd
+    from hvd_scalecom.torch import QsparseLocalSGD
+
+    hvd.init()  # (one rank, in this process)
+    model, optimizer = small_setup()
+    wrapped = QsparseLocalSGD(optimizer, model.named_parameters(), local_steps=2, ratio=0.1)
+    calls = []
+    wrapped.register_step_pre_hook(lambda opt, args, kwargs: calls.append(("pre", opt is wrapped)))
+    wrapped.register_step_post_hook(lambda opt, args, kwargs: calls.append(("post", opt is wrapped)))
+
+    def step(m, opt, t):
+        opt.zero_grad()
+        m(torch.full((3, 40), float(t))).square().sum().backward()
+        opt.step()
+
+    step(model, wrapped, 0)
+    assert calls == [("pre", True), ("post", True)]
+    pairs = [(model, wrapped), copy.deepcopy((model, wrapped)), pickle.loads(pickle.dumps((model, wrapped)))]
+    for m, opt in pairs[1:]:
+        assert opt.state_dict()["qsparse_local_sgd"]["step"] == 1 and not opt._optimizer_step_pre_hooks
+    for t in (1, 2):  # a synchronisation, then a local step
+        for m, opt in pairs:
+            step(m, opt, t)
+    assert len(calls) == 6
+    for m, opt in pairs[1:]:
+        for a, b in zip(model.parameters(), m.parameters()):
+            assert torch.equal(a, b)
+        assert opt.stats()["index_bytes"] == wrapped.stats()["index_bytes"] > 0

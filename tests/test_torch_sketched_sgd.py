@@ -109,6 +109,9 @@ add_run("np2_second", "sketched_sum_second", "torch_seed_sketched.py",
                       "resume_from": str(root / "sketched_sum_first")},
         ["test_sum_op_groups_accumulation_and_checkpoint_round_trip"])
 BF16 = {**BASE, "warmup_steps": 1, "steps": 4, "dtype": "bfloat16"}
+FROZEN = {**BASE, "steps": 3, "frozen": "hidden.weight"}
+add_run("np2_second", "sketched_frozen", "torch_seed_sketched.py", FROZEN,
+        ["test_a_parameter_frozen_before_the_optimizer_is_left_out_of_the_sketch"])
 add_run("np2_first", "sketched_bf16", "torch_seed_sketched.py", BF16,
         ["test_bf16_gradients_travel_as_fp32_and_match_the_reference"])
 NAN = {**BASE, "warmup_steps": 1, "steps": 6,
@@ -156,19 +159,19 @@ def reference(opts, n):
         buckets, signs = CountSketch(numel, rows, columns, seed=opts.get("seed", 0)).hashes(torch.arange(numel))
         return buckets.numpy(), signs.numpy()
 
-    shapes = {n_: tuple(p.shape) for n_, p in Net().named_parameters()}
+    shapes = {n_: tuple(p.shape) for n_, p in Net().named_parameters() if n_ != opts.get("frozen")}
     return SketchedReference(shapes, n, ratio=opts["ratio"], rows=opts["rows"], columns=opts["columns"],
                              candidates=opts["candidates"], momentum=opts["momentum"],
                              warmup_steps=opts.get("warmup_steps", 0), min_numel=opts["min_numel"],
                              hashes=hashes)
 
 
-def follow(ref, results, steps, first=0, scale=1.0, rtol=1e-5, atol=1e-6):
-    """Feed the job's raw gradients to the reference; every rank's applied gradient must be ``scale``
-    times its update (float64 there, so to the job's rounding)."""
+def follow(ref, results, steps, first=0, scale=1.0, rtol=1e-5, atol=1e-6, names=NAMES):
+    """Feed the job's raw gradients to the reference; every rank's applied gradient (of ``names``) must
+    be ``scale`` times its update (float64 there, so to the job's rounding)."""
     for t in range(first, first + steps):
         update = ref.step([{n: r[f"raw/{t}/{n}"] for n in NAMES} for r in results])
-        for n in NAMES:
+        for n in names:
             for rank, r in enumerate(results):
                 np.testing.assert_allclose(r[f"applied/{t}/{n}"], scale * update[n], rtol=rtol, atol=atol,
                                            err_msg=f"step {t}, {n}, rank {rank}: the reference")
@@ -343,6 +346,23 @@ def test_bf16_gradients_travel_as_fp32_and_match_the_reference(request, tmp_path
     check_identical_weights(results)
 
 
+def test_a_parameter_frozen_before_the_optimizer_is_left_out_of_the_sketch(request, tmp_path_factory):
+    """np=2, hidden.weight frozen before SketchedSGD and hvd.DistributedOptimizer are built: Horovod never
+    reduces it, so the sketch holds out.weight alone (k = 13) and every step applies the reference's
+    update of the three trained tensors; hidden.weight stays as initialised."""
+    results = completed(shared_job("np2_second", request, tmp_path_factory), "sketched_frozen", 2)
+    trained = [n for n in NAMES if n != "hidden.weight"]
+    follow(reference(FROZEN, 2), results, FROZEN["steps"], names=trained)
+    torch.manual_seed(0)
+    initial = Net().hidden.weight.detach().numpy()
+    for r in results:
+        assert not any(key.startswith("applied/") and key.endswith("/hidden.weight") for key in r)
+        np.testing.assert_array_equal(r["final/hidden.weight"], initial)
+        stats = json.loads(str(r["stats/2"]))
+        assert (stats["value_bytes"], stats["dense_bytes"]) == (4 * (3 * 400 + 2 * 13 + 1), 4 * (64 + 10))
+    check_identical_weights(results)
+
+
 def test_momentum_and_error_follow_a_changing_loss_scale(request, tmp_path_factory):
     """np=2, the loss scaled by 1024, 1024, 512, 512, 4096, 256 (powers of two: exact), loss_scaler=
     following it, the reduced gradients divided by it as GradScaler does: every step, warm-up and
@@ -426,7 +446,7 @@ def test_optimizer_with_momentum_is_rejected():
         compression.check_optimizer(torch.optim.Adam(model.parameters()))
 
 
-def test_sketched_set_and_sizes():
+def test_sketched_set_and_sizes(monkeypatch):
     from hvd_scalecom.torch import SketchedSGD
 
     compression = SketchedSGD(small_model().named_parameters(), ratio=0.01, min_numel=50)
@@ -434,6 +454,19 @@ def test_sketched_set_and_sizes():
     assert compression.numel == 1260
     assert compression.k == 12 + 1
     assert compression.columns == 130 and compression.num_candidates == 26
+    # a parameter frozen before it is built is left out (Horovod never reduces it), and the ranks
+    # compare which parameters they sketch
+    model = small_model()
+    model[0].weight.requires_grad_(False)
+    frozen = SketchedSGD(model.named_parameters(), ratio=0.01, min_numel=50)
+    assert (frozen.numel, frozen.k) == (60, 1)
+    summaries = []
+    monkeypatch.setattr("hvd_scalecom.torch.sketched_sgd.check_agreement",
+                        lambda scheme, summary, *args, **kwargs: summaries.append(summary))
+    compression._check_agreement()
+    frozen._check_agreement()
+    assert summaries[0]["parameter_digest"] == summaries[1]["parameter_digest"]
+    assert summaries[0]["sketched_digest"] != summaries[1]["sketched_digest"]
 
 
 def test_load_state_dict_checks_before_changing_anything():
@@ -472,6 +505,27 @@ def test_load_state_dict_checks_before_changing_anything():
     scaled = SketchedSGD(model.named_parameters(), ratio=0.1, min_numel=50, loss_scaler=torch.amp.GradScaler("cpu"))
     scaled.load_state_dict(good)
     assert scaled.state_dict()["scale"] == 1.0
+
+
+def test_a_tensor_out_of_lockstep_is_refused_before_anything_changes():
+    """0.weight handed over twice in one step (Horovod would not): refused, its step counter unchanged,
+    and the step completes as usual once the other tensors are reduced."""
+    import horovod.torch as hvd
+    from hvd_scalecom.torch import SketchedSGD
+
+    hvd.init()  # (one rank, in this process)
+    model = small_model()
+    compression = SketchedSGD(model.named_parameters(), ratio=0.1, min_numel=50)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    sent = [compression.compress(model[0].weight.grad)]
+    with pytest.raises(RuntimeError, match=r"'0.weight' is at step 1, the step in progress is 0; steps "
+                                           r"reduced so far: \{'0.weight': 1, '1.weight': 0\}"):
+        compression.compress(model[0].weight.grad)
+    sent += [compression.compress(p.grad) for p in list(model.parameters())[1:]]
+    for values, ctx in sent:
+        compression.decompress(values, ctx)
+    assert [e["step"] for e in compression.state_dict()["params"].values()] == [1, 1, 1, 1]
 
 
 def test_tensor_that_is_no_parameters_gradient():

@@ -26,9 +26,10 @@ which every rank compares after the allgather, all raising alike on ranks at dif
 different models.
 
 What travels (bytes per rank and synchronisation, counted in :meth:`QsparseLocalSGD.stats`): per
-compressed tensor the k indices (int32, int64 above 2**31 entries) and the values: ``top_k`` 4 bytes
-each, ``sign_top_k`` 1 byte each (int8 sign) + a 4-byte scale, ``qsgd_top_k`` 1, 2 or 4 bytes each
-(the signed level, int8 for s <= 127, int16 for s <= 32767) + a 4-byte norm. This realises the savings
+compressed tensor the k indices (int32, int64 above 2**31 entries) and the values: ``top_k`` in the
+memory's dtype (fp32, 4 bytes each; fp64, 8 bytes, for fp64 parameters), ``sign_top_k`` 1 byte each
+(int8 sign) + a scale, ``qsgd_top_k`` 1, 2 or 4 bytes each (the signed level, int8 for s <= 127, int16
+for s <= 32767) + a norm (scale and norm in the memory's dtype too). This realises the savings
 with byte-aligned fields; the paper's bit counts (``ceil(log2 numel)``-bit indices, 1-bit signs, what
 the simulator reports) would need bit packing. The authors' code moved the sparse tensor in a dense
 allreduce instead, which saves nothing on the wire. An allgather grows with n: each rank sends
@@ -36,6 +37,7 @@ allreduce instead, which saves nothing on the wire. An allgather grows with n: e
 """
 
 import time
+from collections import OrderedDict
 
 import torch
 import horovod.torch as hvd
@@ -121,6 +123,9 @@ class QsparseLocalSGD(torch.optim.Optimizer):
         self._last_sync = None
         self.nonfinite_skips = 0  # compressed tensor-synchronisations whose memory update a non-finite mean skipped
         self.traffic = TrafficMeter(keep=4 * self.config.local_steps)  # the last five synchronisations
+        self._optimizer_step_pre_hooks = OrderedDict()  # (what torch's register_step_*_hook need)
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._patch_step_function()
 
     # -- torch.optim.Optimizer interface -----------------------------------------------------------
 
@@ -139,6 +144,16 @@ class QsparseLocalSGD(torch.optim.Optimizer):
     def __repr__(self):
         return f"QsparseLocalSGD({self.config}, {self.optimizer!r})"
 
+    def __getstate__(self):  # (copy.deepcopy, pickle: the whole wrapper; step hooks dropped, as torch does)
+        return {k: v for k, v in self.__dict__.items()
+                if k not in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._patch_step_function()
+
     def zero_grad(self, set_to_none=True):
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
@@ -150,12 +165,15 @@ class QsparseLocalSGD(torch.optim.Optimizer):
         """One local step of the wrapped optimizer; every ``local_steps``-th also synchronises. Where
         the ranks synchronise from different steps or models, every rank raises a ValueError, this
         wrapper's state (step, ``x_last``, memories, QSGD's generator) left as it was before the
-        call; the local optimizer's step has been taken (restore a checkpoint on every rank)."""
-        if self._shared is None:
-            self._shared = [p.detach().reshape(-1).to(clt_k.memory_dtype(p.dtype), copy=True)
-                            for p in self._params]                                  # x_last
+        call; the local optimizer's step has been taken (restore a checkpoint on every rank). Where the
+        first step's configuration check refuses it, nothing has changed (no local step either): fix
+        the cause, e.g. broadcast the model, and step again."""
+        shared = self._shared
+        if shared is None:  # x_last, kept once the ranks agree on it
+            shared = [p.detach().reshape(-1).to(clt_k.memory_dtype(p.dtype), copy=True) for p in self._params]
         if not self._agreed:
-            self._check_agreement()
+            self._check_agreement(shared)
+        self._shared = shared
         loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
         t = self._step
         if self.config.is_sync_step(t):
@@ -178,9 +196,10 @@ class QsparseLocalSGD(torch.optim.Optimizer):
 
         Keys as ScaleCom's: ``step``, ``index_bytes`` and ``value_bytes`` (this rank's part of the
         payload allgather: indices; values, signs or levels and the per-tensor scale), ``dense_bytes``
-        (the small tensors' allreduce, fp32), ``sent_bytes`` (their sum), ``uncompressed_bytes`` (what
-        dense synchronous SGD would have handed over in the ``local_steps`` steps since the previous
-        synchronisation; bfloat16 as the float32 Horovod would take), ``ratio``,
+        (the small tensors' allreduce, in the memory's dtype: fp32, fp64 for fp64 parameters),
+        ``sent_bytes`` (their sum), ``uncompressed_bytes`` (what dense synchronous SGD would have handed
+        over in the ``local_steps`` steps since the previous synchronisation; bfloat16 as the float32
+        Horovod would take), ``ratio``,
         ``compress_seconds`` (compression and decoding), ``index_wait_seconds`` (0), ``tensors``;
         ``wire_bytes``: what this rank sends in the ring collectives, ``(n - 1) (index + value) +
         2 (n - 1) / n dense``; ``nonfinite_skips``: compressed tensor-synchronisations whose memory
@@ -218,6 +237,9 @@ class QsparseLocalSGD(torch.optim.Optimizer):
         if not isinstance(state_dict, dict) or _STATE_KEY not in state_dict:
             raise ValueError("state_dict must be a dict returned by QsparseLocalSGD.state_dict()")
         mine = state_dict[_STATE_KEY]
+        if not isinstance(mine, dict):
+            raise TypeError(f"state_dict[{_STATE_KEY!r}] must be a dict (QsparseLocalSGD.state_dict()'s), "
+                            f"got {type(mine).__name__}")
         if mine.get("config") != self.config.as_dict():
             raise ValueError(f"state was saved with config {mine.get('config')}, this QsparseLocalSGD has "
                              f"{self.config.as_dict()}")
@@ -263,11 +285,11 @@ class QsparseLocalSGD(torch.optim.Optimizer):
 
     # -- internals ---------------------------------------------------------------------------------
 
-    def _check_agreement(self):
+    def _check_agreement(self, shared):
         shapes = [(n, p.shape) for n, p in zip(self._names, self._params)]
         summary = {"scheme": "QsparseLocalSGD", **self.config.as_dict(), "step": self._step,
                    "parameters": len(self._names), "parameter_digest": shapes_digest(shapes),
-                   "shared_digest": tensors_digest(self._shared)}
+                   "shared_digest": tensors_digest(shared)}
         check_agreement("QsparseLocalSGD", summary, self._process_set, {
             "parameter_digest": "(parameter_digest covers the names and shapes of named_parameters.)",
             "shared_digest": "The model differs across ranks at the start of local SGD (shared_digest "

@@ -78,7 +78,9 @@ class SketchedSGD(Compressor):
     """Sketched SGD with momentum and error accumulation, for ``hvd.DistributedOptimizer``.
 
     Args:
-        named_parameters: ``model.named_parameters()`` (the parameters the optimizer reduces).
+        named_parameters: ``model.named_parameters()`` (the parameters the optimizer reduces). Those
+            frozen (``requires_grad`` False) when SketchedSGD is built are left out of the sketch, as
+            ``hvd.DistributedOptimizer`` built after it never reduces them.
         ratio: ``k = sum over sketched tensors of max(1, ceil(ratio * numel))`` coordinates per step.
         rows, columns: count sketch size ``r x c`` (default ``c = 10 k``).
         candidates: ``P``, round 2 fetches the exact sums of ``P k`` candidates.
@@ -111,7 +113,8 @@ class SketchedSGD(Compressor):
         self._process_set = check_process_set(process_set)
         self._loss_scaler = check_loss_scaler(loss_scaler)
         self._scale = None  # the loss scale u, v and the dense momenta are expressed in (loss_scaler)
-        self._sketched = [i for i, p in enumerate(self._params) if self.config.is_sketched(p.shape)]
+        self._sketched = [i for i, p in enumerate(self._params)
+                          if p.requires_grad and self.config.is_sketched(p.shape)]
         self._offset = {}
         numel = 0
         for i in self._sketched:
@@ -142,16 +145,18 @@ class SketchedSGD(Compressor):
         if not tensor.dtype.is_floating_point:
             raise TypeError(f"SketchedSGD compresses floating-point gradients; the gradient of "
                             f"{self._names[i]!r} is {tensor.dtype}")
+        t = self._steps[i]
+        sketched = i in self._offset and t >= self.config.warmup_steps
+        r = self._round_for(i, t) if sketched else None  # (a tensor out of lockstep: refused, nothing changed)
         # (the scale changes between steps: the step's first compress rescales every tensor's state)
         self._scale = follow_loss_scale([self._u, self._v, *self._dense_u.values()], self._scale,
                                         self._loss_scaler)
         if self._sketch is None and i in self._offset:  # (before any state changes)
             self._sketch = CountSketch(self.numel, self.config.rows, self.columns, seed=self.config.seed,
                                        device=tensor.device)
-        t = self._steps[i]
-        self._steps[i] += 1
+        self._steps[i] = t + 1
         dense_bytes = tensor.numel() * wire_dtype(tensor.dtype).itemsize  # (what Horovod can reduce: bf16 as fp32)
-        if i not in self._offset or t < self.config.warmup_steps:
+        if not sketched:
             u = self._momentum_of(i, tensor)
             u.mul_(self.config.momentum).add_(tensor.reshape(-1))                    # u <- rho u + g
             sent, ctx = dense_on_the_wire(u, tensor.dtype, copy=True)  # fresh: reduced in place
@@ -160,7 +165,6 @@ class SketchedSGD(Compressor):
                                 compress_seconds=time.perf_counter() - start)
             return sent.view(tensor.shape), ctx  # (bf16: cast back in decompress)
 
-        r = self._round_for(i, t)
         part = slice(self._offset[i], self._offset[i] + tensor.numel())
         self._buffers(tensor)
         accumulate_(self._u[part], self._v[part], tensor, self.config.momentum)  # u, v on this slice
@@ -307,10 +311,14 @@ class SketchedSGD(Compressor):
     def _check_agreement(self):
         shapes = [(n, p.shape) for n, p in zip(self._names, self._params)]
         summary = {"scheme": "SketchedSGD", **self.config.as_dict(), "parameters": len(self._names),
-                   "parameter_digest": shapes_digest(shapes), "steps": sorted(set(self._steps))}
+                   "parameter_digest": shapes_digest(shapes), "steps": sorted(set(self._steps)),
+                   "sketched_digest": shapes_digest([shapes[i] for i in self._sketched])}
         check_agreement("SketchedSGD", summary, self._process_set,
                         {"parameter_digest": "(parameter_digest covers the names and shapes of "
                                              "named_parameters.)",
+                         "sketched_digest": "(sketched_digest covers which parameters are sketched: "
+                                            "freeze the same parameters on every rank before building "
+                                            "SketchedSGD.)",
                          "steps": "(steps lists the parameters' distinct step counters, which decide "
                                   "warm-up and which tensors a step sketches: restore every rank from a "
                                   "state of the same step.)"}, stall=stall_times())
@@ -354,7 +362,8 @@ class SketchedSGD(Compressor):
                 f"SketchedSGD: the sketched tensors are not reduced in lockstep ({self._names[i]!r} is at "
                 f"step {t}, the step in progress is {r.t}; steps reduced so far: {steps}). Every "
                 f"parameter that SketchedSGD sketches must be reduced by the optimizer every step (not "
-                f"frozen, no sparse gradients without sparse_as_dense=True).")
+                f"frozen after SketchedSGD was built but before the optimizer, no sparse gradients "
+                f"without sparse_as_dense=True).")
         if r is None:
             r = self._round = _Round(t)
         return r
@@ -368,7 +377,8 @@ class SketchedSGD(Compressor):
             raise RuntimeError(
                 f"SketchedSGD: Horovod did not reduce the sketched tensors {missing} in this step, so "
                 f"the step's sketch is incomplete. Pass only the parameters the optimizer reduces every "
-                f"step (frozen parameters, or sparse gradients without sparse_as_dense=True, are not).")
+                f"step (parameters frozen after SketchedSGD was built but before the optimizer, or sparse "
+                f"gradients without sparse_as_dense=True, are not: freeze parameters before building both).")
         hvd.synchronize(r.handle)                                                # S = sum_i S(v_i)
         if not clt_k.all_finite(r.table):  # the same table on every rank: all skip round 2
             r.update = skip_nonfinite_(self._u, self._v, self.numel, dtype=self._v.dtype)

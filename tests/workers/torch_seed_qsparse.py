@@ -5,7 +5,9 @@ argv: JSON options, output directory. Writes ``rank<R>.npz`` with, per step t an
 ``raw/<t>/<name>`` (this rank's gradient at its local weights), ``local/<t>/<name>`` (its weights after
 ``step()``), ``stats/<t>`` (``stats(step=t)`` as JSON), ``final/<name>`` and ``stats`` (``stats()``);
 with ``nan_at`` (``[step, rank, name]`` triples), entry 7 of that rank's gradient of ``name`` is NaN at that
-step, and ``memory/<t>/<name>`` holds the error memories after every step (absent: none yet).
+step, and ``memory/<t>/<name>`` holds the error memories after every step (absent: none yet); with
+``broadcast_after_refusal`` a refused first step is recorded (``refused``), the model broadcast from
+rank 0 as the error advises, and the step taken again on new gradients.
 """
 
 import copy
@@ -100,7 +102,18 @@ for t in range(first_step, first_step + opts.get("steps", 6)):
             record["state_unchanged"] = np.array(same_state(before, optimizer.state_dict()["qsparse_local_sgd"]))
             break
     else:
-        optimizer.step()
+        try:
+            optimizer.step()
+        except ValueError as err:
+            if not opts.get("broadcast_after_refusal") or "refused" in record:
+                raise
+            record["refused"] = np.array(str(err))
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            for name, p in named:
+                record[f"raw/{t}/{name}"] = as_numpy(p.grad)
+            optimizer.step()
     for name, p in named:
         record[f"local/{t}/{name}"] = as_numpy(p)
         memory = optimizer.state_dict()["qsparse_local_sgd"]["params"][name]["memory"] if nan_at else None

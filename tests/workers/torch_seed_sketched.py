@@ -6,7 +6,8 @@ argv: JSON options, output directory. Writes ``rank<R>.npz`` with, per step t an
 ``final/<name>`` (weights) and ``stats`` (``stats()`` after the last step). With ``skew_steps``
 (``{rank: step}``) those ranks start from a state of that step and ``refused`` holds the error of the
 first step; with ``loss_scales`` (one per step) the loss is scaled, ``loss_scaler=`` follows it, and the
-reduced gradients are divided by it before the step (``applied``: unscaled).
+reduced gradients are divided by it before the step (``applied``: unscaled); with ``frozen`` (a name)
+that parameter is frozen before SketchedSGD and the optimizer are built (no ``applied`` entries).
 """
 
 import json
@@ -44,8 +45,11 @@ torch.manual_seed(0)
 model = Net()
 if opts.get("dtype"):
     model = model.to(getattr(torch, opts["dtype"]))
+if opts.get("frozen"):
+    dict(model.named_parameters())[opts["frozen"]].requires_grad_(False)
 named = list(model.named_parameters())
 params = [p for _, p in named]
+trained = [p for p in params if p.requires_grad]
 
 
 class StepScale:
@@ -111,8 +115,9 @@ for t in range(first_step, first_step + opts.get("steps", 6)):
         def loss_fn():
             return torch.nn.functional.cross_entropy(model(x, no_grad), y)
 
-        grads = torch.autograd.grad(loss_fn(), params, allow_unused=True)
-        for acc, g in zip(raw, grads):
+        grads = iter(torch.autograd.grad(loss_fn(), trained, allow_unused=True))
+        for acc, p in zip(raw, params):
+            g = next(grads) if p.requires_grad else None
             if g is not None:
                 acc += g
         try:
@@ -141,8 +146,9 @@ for t in range(first_step, first_step + opts.get("steps", 6)):
                 optimizer.step()
     for (name, p), r in zip(named, raw):
         record[f"raw/{t}/{name}"] = r.float().numpy()
-        record[f"applied/{t}/{name}"] = p.grad.float().numpy()
-    record["applied_dtype"] = np.array(str(params[0].grad.dtype))
+        if p.grad is not None:
+            record[f"applied/{t}/{name}"] = p.grad.float().numpy()
+    record["applied_dtype"] = np.array(str(params[-1].grad.dtype))
     record[f"stats/{t}"] = np.array(json.dumps(compression.stats(step=t)))
     optimizer.zero_grad()
 
