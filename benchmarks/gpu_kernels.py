@@ -2,7 +2,7 @@
 checked against the CPU, and the simulator's schemes run on the device; writes the "GPU" section of
 docs/performance.md.
 
-    python -m benchmarks.gpu_kernels                          # on a CUDA machine: 1M and 25M entries
+    python -m benchmarks.gpu_kernels --rounds 200             # on a CUDA machine: 1M and 25M entries
     python -m benchmarks.gpu_kernels --smoke --device cpu     # a small tensor, on any machine
 
 Needs torch and this package only (no Horovod, no C kernels: on CUDA tensors ``clt_k`` runs torch

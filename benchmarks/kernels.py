@@ -2,7 +2,8 @@
 the "Kernels" section of docs/performance.md and docs/kernels.png (the ratios to the floor).
 
     .venv/bin/python -m benchmarks.kernels            # 1M and 25M entries, ratios 0.01 and 0.001
-    .venv/bin/python -m benchmarks.kernels --smoke    # one small tensor, two rounds
+    .venv/bin/python -m benchmarks.kernels --environments default 'without AVX-512'   # the page's run
+    .venv/bin/python -m benchmarks.kernels --smoke    # two small tensors (1e5 and 2^19), two rounds
 
 One thread (as each Horovod worker here), fp32 gradient ``g`` and residue memory ``m``:
 
@@ -313,7 +314,7 @@ def plot_rows(rows, path):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="one small tensor, two rounds")
+    ap.add_argument("--smoke", action="store_true", help="two small tensors (1e5 and 2^19 entries), two rounds")
     ap.add_argument("--out", default=None, help="default: docs/performance.md (a temporary file in --smoke)")
     ap.add_argument("--plot", default=None, help="PNG path (default: docs/kernels.png; none in --smoke)")
     ap.add_argument("--rounds", type=int, default=None)

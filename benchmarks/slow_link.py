@@ -2,7 +2,8 @@
 a token bucket; writes the "Slow link" section of docs/performance.md and docs/slow_link.png.
 
     sudo .venv/bin/python -m benchmarks.slow_link            # 1 and 10 Gbit/s, 2 and 4 workers
-    sudo .venv/bin/python -m benchmarks.slow_link --smoke    # tiny model, 1 Gbit/s, 2 workers, 1 step
+    sudo .venv/bin/python -m benchmarks.slow_link --smoke    # tiny model, 1 Gbit/s, 2 workers, 1 step,
+                                                             # dense and ScaleCom 0.01
     .venv/bin/python -m benchmarks.slow_link --scalecom-kwargs '{"pipelined": true}'  # extra options
 
 For every rate the benchmark makes its own namespace (``ip netns add``), brings its loopback up with
@@ -272,7 +273,9 @@ def markdown(rows, links, args, command, plot, load):
         "right after the timed steps by all N workers at once (a copy of the model, a plain "
         f"optimizer), so it shares the cores as the job does (up to {max(args.workers)} workers on "
         f"this {os.cpu_count()}-core machine). ScaleCom runs with "
-        f"`{json.dumps(SCALECOM_DEFAULTS)}` (the exact top-k set) plus any options shown. Load "
+        f"`{json.dumps(SCALECOM_DEFAULTS)}` (the exact top-k set) plus any options shown. Index wait: "
+        "rank 0's waits for the leader's indices (ScaleCom) or for its two rounds' allreduces (Sketched "
+        "SGD), which its compress time leaves out. Load "
         f"average of the machine (the jobs' own workers included): {load[0]:.1f} at the start, "
         f"{load[1]:.1f} at the end.",
         "",
@@ -357,7 +360,7 @@ def _terminate(signum, frame):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny model, 1gbit, 2 workers, one step")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, 1gbit, 2 workers, one step, dense and ScaleCom 0.01")
     ap.add_argument("--rates", nargs="+", default=None, choices=list(SHAPES))
     ap.add_argument("--workers", type=int, nargs="+", default=None)
     ap.add_argument("--jobs", nargs="+", default=None, help="NAME or NAME:JSON (see module doc)")
@@ -376,7 +379,7 @@ def main(argv=None):
     smoke = args.smoke
     args.rates = args.rates or (["1gbit"] if smoke else ["1gbit", "10gbit"])
     args.workers = args.workers or ([2] if smoke else [2, 4])
-    args.jobs = args.jobs or (['scalecom:{"ratio": 0.01}'] if smoke else DEFAULT_JOBS)
+    args.jobs = args.jobs or (["dense", 'scalecom:{"ratio": 0.01}'] if smoke else DEFAULT_JOBS)
     args.widths = args.widths or ([256, 256, 10] if smoke else DEFAULT_WIDTHS)
     args.warmup = args.warmup if args.warmup is not None else (1 if smoke else 3)
     args.steps = args.steps if args.steps is not None else (1 if smoke else 10)

@@ -1,9 +1,9 @@
 """Soak: a long ScaleCom job under ``horovodrun`` whose memory must stay flat and whose residue
 memories must stay bounded; writes docs/soak.json, docs/soak.png and docs/soak.md.
 
-    nice .venv/bin/python -m benchmarks.soak                          # -np 4, 2,000 steps (several minutes)
+    nice .venv/bin/python -m benchmarks.soak --steps 6000             # -np 4, the page's run (default 2,000 steps)
     .venv/bin/python -m benchmarks.soak --smoke                       # -np 2, 20 steps, into a temp dir
-    .venv/bin/python -m benchmarks.soak --framework tensorflow        # the Keras twin (soak_tensorflow.*)
+    .venv/bin/python -m benchmarks.soak --framework tensorflow --steps 6000   # the Keras twin (soak_tensorflow.*)
     .venv/bin/python -m benchmarks.soak --report-only                 # markdown and figure from the JSON
 
 The job is ``benchmarks/_soak_worker.py`` (Gloo, one thread per worker): the digits MLP of

@@ -9,6 +9,7 @@ start-up): :func:`sequence_job` runs the worker several times in one job.
 
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -578,3 +579,34 @@ def test_seed_beyond_the_generators_range_is_refused_before_any_state():
     from hvd_scalecom.sim import PowerSGD  # its per-tensor seed wraps below 2**63
     sim = Simulator(PowerSGD(seed=2**62, min_numel=16), 2, Net().named_parameters())
     sim.step([[torch.ones_like(p) for p in Net().parameters()] for _ in range(2)])
+
+
+def test_the_waits_for_both_rounds_are_counted_apart_from_compression(monkeypatch):
+    """stats(): the waits for round 1's and round 2's allreduces are index_wait_seconds, which
+    compress_seconds leaves out (here each collective is made to take at least 0.2 s longer)."""
+    import horovod.torch as hvd
+    from hvd_scalecom.torch import SketchedSGD, sketched_sgd
+
+    hvd.init()  # (one rank, in this process)
+    model = small_model()
+    compression = SketchedSGD(model.named_parameters(), ratio=0.1, min_numel=50)
+
+    def slow(collective):
+        def call(*args, **kwargs):
+            time.sleep(0.2)
+            return collective(*args, **kwargs)
+        return call
+
+    def step():
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        sent = [compression.compress(p.grad) for p in model.parameters()]
+        for values, ctx in sent:
+            compression.decompress(values, ctx)
+
+    step()  # (its first compress checks the configuration across ranks, by collectives of its own)
+    monkeypatch.setattr(sketched_sgd.hvd, "synchronize", slow(hvd.synchronize))
+    monkeypatch.setattr(sketched_sgd.hvd, "allreduce", slow(hvd.allreduce))
+    step()
+    stats = compression.stats(step=1)
+    assert stats["index_wait_seconds"] >= 0.4 and stats["compress_seconds"] < 0.2, stats

@@ -190,8 +190,7 @@ class SketchedSGD(Compressor):
         if r is None or r.t != t or i not in r.compressed:
             raise RuntimeError(f"SketchedSGD: decompress of {self._names[i]!r} (step {t}) without its "
                                f"compress in the current step")
-        if r.update is None:
-            self._second_round(r)
+        waited = self._second_round(r) if r.update is None else 0.0
         begin = self._offset[i]
         part = r.update[begin:begin + shape.numel()]
         scale = float(tensor.reshape(-1)[0])  # the reduced probe: 1 for Average, n for Sum
@@ -200,7 +199,7 @@ class SketchedSGD(Compressor):
         r.decompressed += 1
         if r.decompressed == len(r.compressed):
             self._round = None
-        self.traffic.add_time(t, time.perf_counter() - start)
+        self.traffic.add(t, compress_seconds=time.perf_counter() - start - waited, index_wait_seconds=waited)
         return out
 
     # -- helpers for users ---------------------------------------------------------------------------
@@ -234,7 +233,8 @@ class SketchedSGD(Compressor):
         ``P k`` entries of the sketched vector's dtype, fp32 or wider, + a probe per sketched tensor, in
         the probe's dtype), ``dense_bytes`` (the momentum of
         the other tensors, and of all during warm-up), ``sent_bytes``, ``uncompressed_bytes``,
-        ``ratio``, ``compress_seconds``, ``index_wait_seconds`` (0), ``tensors``; ``wire_bytes``, what
+        ``ratio``, ``compress_seconds``, ``index_wait_seconds`` (the waits for round 1's and round 2's
+        allreduces, which ``compress_seconds`` leaves out), ``tensors``; ``wire_bytes``, what
         this rank sends in the ring allreduces (``2 (n - 1) / n * sent_bytes``); ``nonfinite_skips``,
         the steps whose reduced sketch was not finite (all steps; they send no candidates); ``total``:
         all steps.
@@ -370,7 +370,8 @@ class SketchedSGD(Compressor):
 
     def _second_round(self, r):
         """Round 1's result, the candidates, round 2, and the step's update; zeroes u and v at I (a
-        non-finite reduced sketch skips round 2 on every rank: :func:`sketched_steps.skip_nonfinite_`)."""
+        non-finite reduced sketch skips round 2 on every rank: :func:`sketched_steps.skip_nonfinite_`).
+        Returns the seconds spent waiting for the two allreduces."""
         if r.handle is None:
             missing = [self._names[j] for j in self._sketched if j not in r.compressed]
             self._round = None
@@ -379,19 +380,24 @@ class SketchedSGD(Compressor):
                 f"the step's sketch is incomplete. Pass only the parameters the optimizer reduces every "
                 f"step (parameters frozen after SketchedSGD was built but before the optimizer, or sparse "
                 f"gradients without sparse_as_dense=True, are not: freeze parameters before building both).")
+        wait_from = time.perf_counter()
         hvd.synchronize(r.handle)                                                # S = sum_i S(v_i)
+        waited = time.perf_counter() - wait_from
         if not clt_k.all_finite(r.table):  # the same table on every rank: all skip round 2
             r.update = skip_nonfinite_(self._u, self._v, self.numel, dtype=self._v.dtype)
             r.table = r.handle = None
             self.nonfinite_skips += 1
             self.last_indices = torch.zeros(0, dtype=torch.int64, device=self._v.device)
-            return
+            return waited
         candidates = heavy_candidates(self._sketch, r.table, self.num_candidates)
-        exact = hvd.allreduce(self._v[candidates], name=CANDIDATES_NAME, op=hvd.Sum,
-                              **self._ps_kwargs())                               # sum_i v_i[candidates]
+        kept = self._v[candidates]
+        wait_from = time.perf_counter()
+        exact = hvd.allreduce(kept, name=CANDIDATES_NAME, op=hvd.Sum, **self._ps_kwargs())  # sum_i v_i[candidates]
+        waited += time.perf_counter() - wait_from
         self.traffic.add(r.t, value_bytes=exact.numel() * exact.element_size())
         indices, sums = select_applied(candidates, exact, self.k)
         r.update = applied_update(indices, sums, self.numel, self._size(), dtype=self._v.dtype)
         zero_applied_(self._u, self._v, indices)
         r.table = r.handle = None
         self.last_indices = indices
+        return waited
