@@ -41,7 +41,10 @@ def test_soak_smoke(tmp_path):
     result = json.loads((tmp_path / "soak.json").read_text())
     assert (result["np"], result["steps"], result["every"], result["warmup"]) == (2, 20, 5, 2)
     assert result["command"] == "python -m benchmarks.soak --smoke"
-    assert all(isinstance(result[k], bool) for k in ("rss_flat", "residue_bounded", "trained"))
+    from benchmarks.soak import summarize_rank, verdict
+    ranks = [summarize_rank(records, result["steps"], result["warmup"]) for records in result["records"]]
+    assert (result["rss_flat"], result["residue_bounded"], result["trained"]) == verdict(ranks)  # from its records
+    assert result["ranks"] == ranks
     assert result["options"]["lr"] == 0.0125 and result["options"]["beta"] == 0.5
     assert len(result["records"]) == len(result["ranks"]) == 2
     sent, dense = expected_sent_bytes()

@@ -38,11 +38,13 @@ def check_against_reference(results, opts, steps, names=NAMES, rtol=2e-5, atol=1
                 # and exactly the reference's entries (k of them on compressed steps), nothing else
                 np.testing.assert_array_equal(got.reshape(-1) != 0, applied[t][n].reshape(-1) != 0,
                                               err_msg=f"step {first + t}, {n}, rank {rank}: non-zeros")
-    for rank, r in enumerate(results):
-        for n in names:
-            if f"memory/{n}" in r and first == 0:
-                np.testing.assert_allclose(r[f"memory/{n}"], memories[rank][n].reshape(-1), rtol=rtol,
-                                           atol=atol, err_msg=f"memory of {n}, rank {rank}")
+    if first == 0:  # (the reference starts from zero memories)
+        for rank, r in enumerate(results):
+            for n in names:
+                want = memories[rank][n].reshape(-1)
+                # no memory recorded: a tensor never compressed (small, or warming up), whose is zero
+                got = r[f"memory/{n}"] if f"memory/{n}" in r else np.zeros_like(want)
+                np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=f"memory of {n}, rank {rank}")
     return applied
 
 
@@ -297,8 +299,8 @@ def test_nonfinite_gradient_skips_the_step_on_every_rank_and_spares_the_memory(h
     assert all(bool(r["native"]) == (kernels != "torch") for r in results)  # the path named above ran
     for r in results:
         assert not np.isfinite(r["applied/3/hidden.weight"]).all()
-        for n in NAMES:
-            assert np.isfinite(r[f"memory/{n}"]).all() if f"memory/{n}" in r else True
+        for n in ("hidden.weight", "out.weight"):  # the compressed tensors
+            assert np.isfinite(r[f"memory/{n}"]).all()
         assert json.loads(str(r["stats"]))["nonfinite_skips"] == 1
     check_against_reference(results, opts, steps=7, skip={(3, "hidden.weight")})
     check_identical_weights(results)
