@@ -30,7 +30,8 @@ INT64_LIMIT = 2**63  # step counters and generator seeds are int64: they stay be
 INT32_INDEX_MAX_NUMEL = 2**31 - 1  # larger tensors' indices travel as int64 whatever index_dtype says
 
 
-def _is_real(x):
+def is_real(x):
+    """A real number (NumPy's too), not a bool."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
@@ -61,7 +62,7 @@ def check_kept_step(step, newest, kept):
 
 def check_real(value, argument, low, high, low_open=False, high_open=False):
     """``float(value)``; TypeError unless a real number, ValueError outside the interval or NaN."""
-    if not _is_real(value):
+    if not is_real(value):
         raise TypeError(f"{argument} must be a number, got {value!r}")
     above = value > low if low_open else value >= low
     below = value < high if high_open else value <= high
@@ -106,9 +107,9 @@ class ScaleComConfig:
     pipelined: bool = False
 
     def __post_init__(self):
-        if not _is_real(self.ratio) or not (0.0 < self.ratio <= 1.0) or math.isnan(self.ratio):
+        if not is_real(self.ratio) or not (0.0 < self.ratio <= 1.0) or math.isnan(self.ratio):
             raise ValueError(f"ratio must be a number in (0, 1], got {self.ratio!r}")
-        if not _is_real(self.beta) or not (0.0 < self.beta <= 1.0) or math.isnan(self.beta):
+        if not is_real(self.beta) or not (0.0 < self.beta <= 1.0) or math.isnan(self.beta):
             raise ValueError(f"beta must be a number in (0, 1], got {self.beta!r}")
         if not _is_int(self.warmup_steps):
             raise TypeError(f"warmup_steps must be an int, got {type(self.warmup_steps).__name__}")

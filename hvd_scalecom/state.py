@@ -5,7 +5,7 @@ import math
 
 import numpy as np
 
-from hvd_scalecom.config import check_int
+from hvd_scalecom.config import check_int, is_real
 
 
 def checked_params(state, scheme, config, names, what="parameters"):
@@ -32,10 +32,9 @@ def checked_params(state, scheme, config, names, what="parameters"):
 
 def check_loss_scale(scale, what):
     """A saved loss scale: ``scale`` if a positive finite number or None; ValueError naming ``what`` else."""
-    if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
-                                  and math.isfinite(scale) and scale > 0):
+    if scale is not None and not (is_real(scale) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"{what} must be a positive number or None, got {scale!r}")
-    return scale
+    return None if scale is None else float(scale)
 
 
 def check_saved_shape(name, entry, shape, what="parameter"):

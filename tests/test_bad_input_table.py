@@ -96,6 +96,7 @@ ROWS = [
     (torch_scalecom, "timeout", True, ValueError, "timeout"),
     (torch_scalecom, "timeout", "10", ValueError, "timeout"),
     (torch_scalecom, "loss_scaler", 1024.0, TypeError, "loss_scaler"),
+    (torch_scalecom, "loss_scaler", torch.amp.GradScaler, TypeError, "GradScaler (a class: pass an instance)"),
     (torch_scalecom, "process_set", [0, 1], TypeError, "process_set"),
     (torch_scalecom, "named_parameters", None, TypeError, "named_parameters"),
     (torch_scalecom, "named_parameters", 3, TypeError, "named_parameters"),
@@ -315,6 +316,9 @@ def per_parameter_rows(good, tensor_key, numel_text):
         ({**good, "params": {**good["params"], "extra": good["params"][last]}}, ValueError,
          "unexpected ['extra']"),
         (with_last(good, **{tensor_key: torch.ones(5)}), ValueError, numel_text),
+        # finite in float64, Inf in the float32 it is kept in
+        (with_last(good, **{tensor_key: torch.full(good["params"][last]["shape"], 1e39, dtype=torch.float64)}),
+         ValueError, f"{tensor_key} of {last!r} holds entries beyond the range of torch.float32"),
         (with_last(good, **{tensor_key: [0.0, 1.0]}), TypeError, tensor_key),
         (with_last(good, step=-1), ValueError, "step"),
         (with_last(good, step="x"), TypeError, "step"),
@@ -404,6 +408,8 @@ def qsparse_rows(good):
         (wrapper(params={}), ValueError, "missing"),
         (wrapper(params=params), ValueError, "5 entries"),
         (wrapper(params=nonfinite), ValueError, "non-finite"),
+        (wrapper(params={**mine["params"], last: {**mine["params"][last], "memory": torch.full(
+            (dict(named())[last].numel(),), 1e39, dtype=torch.float64)}}), ValueError, "beyond the range of torch.float32"),
         (wrapper(params={**mine["params"], "0.weight": {**mine["params"]["0.weight"], "shape": [40, 30]}}),
          ValueError, "shape (40, 30)"),
         (wrapper(step=-1), ValueError, "step"),

@@ -20,6 +20,17 @@ def test_accepts_torch_dtypes_and_names():
     assert a.config == b.config and a.config.value_dtype == "float16"
 
 
+def test_numpy_numbers_are_taken_as_numbers():
+    import numpy as np
+    assert ScaleCom(model().named_parameters(), timeout=np.float32(5)).timeout == 5.0
+    compression = ScaleCom(model().named_parameters(), min_numel=16)
+    state = compression.state_dict()
+    for entry in state["params"].values():
+        entry["memory"], entry["scale"] = None, np.float32(8)  # (a memory saved without one: 1)
+    compression.load_state_dict(state)
+    assert all(type(e["scale"]) is float and e["scale"] == 8.0 for e in compression.state_dict()["params"].values())
+
+
 def test_tensor_that_is_no_parameters_gradient():
     net = model()
     compression = ScaleCom(net.named_parameters())
@@ -124,6 +135,20 @@ def test_step_counters_that_part_after_the_first_step_stop_every_rank_with_one_e
         section = report.split(f"----- rank {rank} -----", 1)[1].split("-----", 1)[0]
         assert re.search(r"ValueError: ScaleCom: the index exchange of '[\w.]+' delivered 0 indices, not k = \d+: "
                          r"the ranks disagree on this step's leader", section), section[-2000:]
+
+
+def test_step_counters_on_either_side_of_warm_up_s_end_end_with_the_timeout_s_error(horovod_job):
+    """Rank 0 loads a state one step ahead at step 2 of a 3-step warm-up: it waits for the indices of
+    step 3 while rank 1 reduces step 2 densely. Without a timeout both would wait for good (as the
+    README says); with one, rank 0 raises naming warm-up, and the job ends."""
+    from hvd_scalecom.launch import HorovodRunError
+    opts = {"steps": 5, "warmup_steps": 3, "timeout": 8, "per_rank": {"0": {"skew_steps_at": 2}}}
+    with pytest.raises(HorovodRunError) as failure:
+        horovod_job("torch_scalecom.py", opts, np=2, timeout=120)
+    report = str(failure.value)
+    assert "timed out" not in report.split("\n", 1)[0]
+    rank0 = report.split("----- rank 0 -----", 1)[1].split("----- rank 1 -----", 1)[0]
+    assert "still waiting after 8 s for the leader's indices" in rank0 and "still in warm-up" in rank0, rank0[-2000:]
 
 
 def one_rank_scalecom(numel, dtype=torch.float32, **kwargs):

@@ -75,10 +75,11 @@ def check_process_set(process_set):
     return process_set
 
 
-def check_state_entry(name, entry, shape, tensors, step=True):
+def check_state_entry(name, entry, shape, tensors, step=True, dtype=None):
     """One parameter's entry of a saved state: a dict whose ``step`` (if ``step``) is an int >= 0, saved
-    for a parameter of ``shape`` (where it says), and whose ``tensors`` are None or finite floating-point
-    tensors of as many entries; else TypeError or ValueError naming the parameter."""
+    for a parameter of ``shape`` (where it says), and whose ``tensors`` are None or floating-point
+    tensors of as many entries, finite (in ``dtype`` too, the one they are kept in: an fp64 1e39 would
+    load into fp32 as Inf); else TypeError or ValueError naming the parameter."""
     if not isinstance(entry, dict):
         raise TypeError(f"state entry of {name!r} must be a dict, got {type(entry).__name__}")
     check_saved_shape(name, entry, shape)
@@ -96,13 +97,18 @@ def check_state_entry(name, entry, shape, tensors, step=True):
             raise ValueError(f"state {key} of {name!r} has {value.numel()} entries, the parameter {numel}")
         if not bool(torch.isfinite(value).all()):  # (a memory never absorbs one: none could heal)
             raise ValueError(f"state {key} of {name!r} holds non-finite entries")
+        if dtype is not None and not bool(torch.isfinite(value.to(dtype)).all()):
+            raise ValueError(f"state {key} of {name!r} holds entries beyond the range of {dtype}, "
+                             f"the dtype it is kept in")
 
 
 def check_loss_scaler(loss_scaler):
     """``loss_scaler`` if None or has ``get_scale()`` (``torch.amp.GradScaler``); TypeError naming it else."""
-    if loss_scaler is not None and not callable(getattr(loss_scaler, "get_scale", None)):
-        raise TypeError(f"loss_scaler must have a get_scale() method (torch.amp.GradScaler), "
-                        f"got {type(loss_scaler).__name__}")
+    if loss_scaler is not None and (isinstance(loss_scaler, type)
+                                    or not callable(getattr(loss_scaler, "get_scale", None))):
+        raise TypeError(f"loss_scaler must be an object with a get_scale() method (a torch.amp.GradScaler), "
+                        f"got {loss_scaler.__name__ if isinstance(loss_scaler, type) else type(loss_scaler).__name__}"
+                        f"{' (a class: pass an instance)' if isinstance(loss_scaler, type) else ''}")
     return loss_scaler
 
 

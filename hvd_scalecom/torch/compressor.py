@@ -48,7 +48,7 @@ import horovod.torch as hvd
 from horovod.torch.compression import Compressor
 
 from hvd_scalecom.agreement import STEPS_HINT, shapes_digest
-from hvd_scalecom.config import HOROVOD_VALUE_DTYPES, INDEX_DTYPES, ScaleComConfig, check_dtype_name
+from hvd_scalecom.config import HOROVOD_VALUE_DTYPES, INDEX_DTYPES, ScaleComConfig, check_dtype_name, is_real
 from hvd_scalecom.state import check_loss_scale, check_next_indices, checked_params
 from hvd_scalecom.torch import clt_k
 from hvd_scalecom.torch.common import (GradientLookup, as_memory_of, check_agreement, check_loss_scaler,
@@ -136,10 +136,9 @@ class ScaleCom(Compressor):
         if index_exchange not in INDEX_EXCHANGES:
             raise ValueError(f"index_exchange must be one of {INDEX_EXCHANGES}, got {index_exchange!r}")
         self.index_exchange = index_exchange
-        if timeout is not None and not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
-                                        and timeout > 0):
+        if timeout is not None and not (is_real(timeout) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
-        self.timeout = timeout
+        self.timeout = None if timeout is None else float(timeout)
         self._stall = stall_times(timeout)  # Horovod's stall settings, read at start-up as Horovod does
         self._loss_scaler = check_loss_scaler(loss_scaler)
         self.nonfinite_skips = 0  # tensor-steps whose memory update a non-finite reduction skipped
@@ -353,7 +352,8 @@ class ScaleCom(Compressor):
         for name, entry in params.items():
             param = self._by_name[name].param
             numel = param.numel()
-            check_state_entry(name, entry, param.shape, ("memory",), step=False)
+            check_state_entry(name, entry, param.shape, ("memory",), step=False,
+                              dtype=clt_k.memory_dtype(param.dtype))
             scale = check_loss_scale(entry.get("scale"), f"state scale of {name!r}")
             memory = entry.get("memory")
             if memory is not None:  # (in this ScaleCom's units)
@@ -563,7 +563,8 @@ class ScaleCom(Compressor):
         return wait(handle, self._stall, "ScaleCom",
              f"the leader's indices for {slot.name!r}. A rank reduces this parameter later than the others "
              f"(e.g. it is frozen or unused on some ranks only, or ranks reduce parameters in different "
-             f"orders while leader='staggered'), or a rank stopped training",
+             f"orders while leader='staggered'), a rank stopped training, or a rank is still in warm-up "
+             f"(its step counters differ: restore every rank from a state_dict() of the same step)",
              "Set ScaleCom(timeout=...) to raise instead.")
 
     def _not_yet_reduced(self, index):

@@ -266,7 +266,8 @@ class QsparseLocalSGD(torch.optim.Optimizer):
             extra = sorted(set(params) - set(self._names))
             raise ValueError(f"state does not match the parameters: missing {missing}, unexpected {extra}")
         for name, p in zip(self._names, self._params):
-            check_state_entry(name, params[name], p.shape, ("shared", "memory"), step=False)
+            check_state_entry(name, params[name], p.shape, ("shared", "memory"), step=False,
+                              dtype=clt_k.memory_dtype(p.dtype))
         have_shared = {params[n].get("shared") is not None for n in self._names}
         if len(have_shared) > 1:
             raise ValueError("state holds x_last of some parameters but not of others")

@@ -281,8 +281,9 @@ class SketchedSGD(Compressor):
         scale = check_loss_scale(state.get("scale"), "state scale")
         for i, name in enumerate(self._names):
             check_state_entry(name, params[name], self._params[i].shape,
-                              ("momentum", "error") if i in self._offset else ("momentum",),
-                              step=False)
+                              ("momentum", "error") if i in self._offset else ("momentum",), step=False,
+                              dtype=self._sketched_dtype() if i in self._offset else clt_k.memory_dtype(
+                                  self._params[i].dtype))
         sketched_state = [params[self._names[i]].get("momentum") is not None for i in self._sketched]
         if any(sketched_state) and not all(sketched_state):
             raise ValueError("state holds the momentum of some sketched tensors but not of others")
