@@ -15,7 +15,9 @@ Payloads are split into indices, values and dense tensors as :class:`hvd_scaleco
 splits them, so a simulated ScaleCom step reports the same payload figures as
 ``hvd_scalecom.torch.ScaleCom.stats()`` on every rank (for bfloat16 gradients the simulator counts
 bfloat16, which Horovod cannot send: ScaleCom, Sketched SGD and Qsparse-local-SGD on Horovod send
-and count them as float32, their uncompressed baselines too).
+and count them as float32, their uncompressed baselines too; the simulator's sparse schemes also
+round the values they select to bfloat16, as such a wire would, where Horovod's ScaleCom sends them
+unrounded).
 """
 
 import dataclasses
