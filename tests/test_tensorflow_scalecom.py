@@ -794,6 +794,27 @@ def test_keras_helpers_reject_bad_input(tf_modules):
             LogStats(other, every=every)
     wrapped = DistributedOptimizer(keras.optimizers.SGD(0.25, momentum=0.5))
     assert isinstance(wrapped, keras.optimizers.SGD) and wrapped.get_config()["momentum"] == 0.5
+    with pytest.raises(ValueError, match="optimizer is a DistributedOptimizer, which reduces the gradients again"):
+        make_train_step(model, wrapped, "mse")  # (each gradient would be reduced and compressed twice)
+
+
+def test_keras_distributed_optimizer_keeps_weight_decay_exclusions(tf_modules):
+    """exclude_from_weight_decay() is not in an optimizer's config: the copy keeps it (the inner
+    optimizer's too under a LossScaleOptimizer), where it used to decay the excluded variables."""
+    keras = pytest.importorskip("keras")
+    from hvd_scalecom.tensorflow import DistributedOptimizer
+    kernel, bias = keras.Variable(np.ones((3, 2), np.float32), name="kernel"), keras.Variable(np.ones(2, np.float32), name="bias")
+    by_name = keras.optimizers.AdamW(0.01, weight_decay=0.5)
+    by_name.exclude_from_weight_decay(var_names=["bias"])
+    by_variable = keras.optimizers.AdamW(0.01, weight_decay=0.5)
+    by_variable.exclude_from_weight_decay(var_list=[kernel])
+    inner = keras.optimizers.AdamW(0.01, weight_decay=0.5)
+    inner.exclude_from_weight_decay(var_names=["bias"])
+    for optimizer, decayed in ((by_name, [True, False]), (by_variable, [False, True])):
+        wrapped = DistributedOptimizer(optimizer)
+        assert [wrapped._use_weight_decay(v) for v in (kernel, bias)] == decayed
+    scaled = DistributedOptimizer(keras.optimizers.LossScaleOptimizer(inner))
+    assert [scaled.inner_optimizer._use_weight_decay(v) for v in (kernel, bias)] == [True, False]
 
 
 def test_keras_helpers_reduce_as_scalecom_expects(tf_modules):

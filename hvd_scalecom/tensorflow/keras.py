@@ -71,6 +71,10 @@ def make_train_step(model, optimizer, loss, compression=None, *, root_rank=0, ji
                          "trainable variables")
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"optimizer must be a keras.optimizers.Optimizer, got {type(optimizer).__name__}")
+    if getattr(optimizer, "_hvd_scalecom_reduces", False):
+        raise ValueError("optimizer is a DistributedOptimizer, which reduces the gradients again after the "
+                         "step's own reduction (each compressed twice, every ScaleCom counter moving two "
+                         "steps): pass the plain Keras optimizer to make_train_step")
     loss_fn = keras.losses.get(loss) if isinstance(loss, str) else loss
     if not callable(loss_fn):
         raise TypeError(f"loss must be a callable or a Keras loss name, got {loss!r}")
@@ -122,6 +126,10 @@ def DistributedOptimizer(optimizer, compression=None, *, sparse_as_dense=None,
     ``steps_per_execution > 1`` are not supported: Horovod's ops have no XLA kernels, and ScaleCom's
     state updates are not meant to run inside a ``tf.while_loop``.
 
+    The copy is built from ``optimizer.get_config()`` and keeps its weight-decay exclusions
+    (``exclude_from_weight_decay``, its inner optimizer's too for a ``LossScaleOptimizer``); other
+    settings made on the object after construction are not carried over.
+
     A model compiled with it saves (``model.save``), but Keras cannot rebuild this optimizer's class
     from the file: load with ``keras.models.load_model(path, compile=False)`` and compile again with
     a new ``DistributedOptimizer`` (ScaleCom's own state: ``tf.train.Checkpoint`` or ``state_dict``).
@@ -156,15 +164,32 @@ def DistributedOptimizer(optimizer, compression=None, *, sparse_as_dense=None,
     def apply(self, grads, trainable_variables=None):
         if not getattr(self, "_hvd_reduced", False):
             raise RuntimeError(
-                "DistributedOptimizer.apply() was called without Horovod's reduction, by a wrapper that "
-                "skips apply_gradients() (e.g. the LossScaleOptimizer a mixed_float16 policy puts "
-                "around it in compile()): each rank would train alone. Use a float32 policy, or "
-                "make_train_step / hvd.DistributedGradientTape with your own loss scaling")
+                "DistributedOptimizer.apply() was called without Horovod's reduction: each rank would "
+                "train alone. A custom Model.train_step must call optimizer.apply_gradients(zip(grads, "
+                "variables)), not apply(); a wrapper that skips apply_gradients() (e.g. the "
+                "LossScaleOptimizer a mixed_float16 policy puts around it in compile()) needs a float32 "
+                "policy, or make_train_step / hvd.DistributedGradientTape with your own loss scaling")
         return base.apply(self, grads, trainable_variables)
 
     cls = type(base.__name__, (base,), {"apply_gradients": apply_gradients, "apply": apply,
+                                        "_hvd_scalecom_reduces": True,
                                         "__doc__": f"{base.__name__} reducing through Horovod."})
-    return cls.from_config(optimizer.get_config())
+    distributed = cls.from_config(optimizer.get_config())
+    _copy_weight_decay_exclusions(optimizer, distributed)
+    return distributed
+
+
+def _copy_weight_decay_exclusions(source, target):
+    """What ``exclude_from_weight_decay()`` set on ``source`` (and on its inner optimizer), which its
+    config does not hold, onto ``target``."""
+    for name in ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern"):
+        if hasattr(source, name):
+            value = getattr(source, name)
+            setattr(target, name, set(value) if isinstance(value, set) else value)
+            target._exclude_from_weight_decay_cache = {}
+    inner = getattr(source, "inner_optimizer", None)
+    if inner is not None and getattr(target, "inner_optimizer", None) is not None:
+        _copy_weight_decay_exclusions(inner, target.inner_optimizer)
 
 
 class BroadcastInitialState(keras.callbacks.Callback):
