@@ -37,7 +37,7 @@ from hvd_scalecom.config import ScaleComConfig, check_real
 from hvd_scalecom.sim.base import Scheme
 from hvd_scalecom.sim.traffic import StepRecord
 from hvd_scalecom.torch import clt_k
-from hvd_scalecom.torch.qsparse_steps import compress_delta, mean_of_sparse, memory_kept
+from hvd_scalecom.torch.qsparse_steps import check_generator_state, compress_delta, mean_of_sparse, memory_kept
 
 OPERATORS = QSPARSE_OPERATORS
 
@@ -166,11 +166,4 @@ class QsparseLocalSGD(Scheme):
     def load_extra_state(self, extra):
         """The QSGD noise generator's state, tried on a generator of its own before it is set."""
         generator = extra.get("generator") if isinstance(extra, dict) else None
-        if not (isinstance(generator, torch.Tensor) and generator.dtype == torch.uint8):
-            raise TypeError(f"QsparseLocalSGD state generator must be a torch.ByteTensor (Generator.get_state()), "
-                            f"got {getattr(generator, 'dtype', type(generator).__name__)}")
-        try:
-            torch.Generator().set_state(generator)
-        except RuntimeError as err:
-            raise ValueError(f"QsparseLocalSGD state generator is not a CPU generator's state: {err}") from None
-        self.generator.set_state(generator)
+        self.generator.set_state(check_generator_state(generator, "QsparseLocalSGD state generator"))

@@ -48,7 +48,8 @@ from hvd_scalecom.torch import clt_k
 from hvd_scalecom.config import check_int
 from hvd_scalecom.torch.common import (as_memory_of, check_agreement, check_process_set, check_state_entry,
                                        named_parameter_list, stall_times, tensors_digest, wire_dtype)
-from hvd_scalecom.torch.qsparse_steps import compress_delta, decode, mean_of_sparse, memory_kept, payload_dtypes
+from hvd_scalecom.torch.qsparse_steps import (check_generator_state, compress_delta, decode, mean_of_sparse,
+                                              memory_kept, payload_dtypes)
 from hvd_scalecom.traffic import TrafficMeter, allgather_bytes_sent, allreduce_bytes_sent
 
 PAYLOAD_NAME = "qsparse_local_sgd.payload"
@@ -250,14 +251,7 @@ class QsparseLocalSGD(torch.optim.Optimizer):
         if last_sync is not None and not (last_sync < step and self.config.is_sync_step(last_sync)):
             raise ValueError(f"state last_sync must be None or a synchronisation step before step {step} "
                              f"(local_steps {self.config.local_steps}), got {last_sync}")
-        generator = mine.get("generator")
-        if not (isinstance(generator, torch.Tensor) and generator.dtype == torch.uint8):
-            raise TypeError(f"state generator must be a torch.ByteTensor (Generator.get_state()), "
-                            f"got {type(generator).__name__}")
-        try:  # on a generator of its own: nothing of this optimizer changes yet
-            torch.Generator().set_state(generator)
-        except RuntimeError as err:
-            raise ValueError(f"state generator is not a CPU generator's state: {err}") from None
+        check_generator_state(mine.get("generator"), "state generator")
         params = mine.get("params")
         if not isinstance(params, dict):
             raise TypeError(f"state params must be a dict, got {type(params).__name__}")

@@ -66,6 +66,19 @@ def compress_delta(memory, drift, k, operator, levels=256, noise=None, level_dty
     return indices, scale, codes, c, delta.view(rows, numel)
 
 
+def check_generator_state(state, what):
+    """A saved QSGD noise generator's state (``torch.Generator().get_state()``), tried on a generator
+    of its own, so that a refused one changes nothing; TypeError or ValueError naming ``what``."""
+    if not (isinstance(state, torch.Tensor) and state.dtype == torch.uint8):
+        raise TypeError(f"{what} must be a torch.ByteTensor (Generator.get_state()), "
+                        f"got {getattr(state, 'dtype', type(state).__name__)}")
+    try:
+        torch.Generator().set_state(state)
+    except RuntimeError as err:
+        raise ValueError(f"{what} is not a CPU generator's state: {err}") from None
+    return state
+
+
 def encode(kept, operator, levels=256, noise=None, level_dtype="int16"):
     """The wire form ``(scale, codes)`` of ``Q(kept)`` (``kept``: ``(rows, k)`` values of Top_k)."""
     if operator == "top_k":
