@@ -92,6 +92,35 @@ def test_large_tensors_threshold_selection_both_kernel_paths(horovod_job, kernel
         assert all(int(r["non_contiguous"]) == 6 for r in results), [int(r["non_contiguous"]) for r in results]
 
 
+def test_channels_last_conv_weight_in_warm_up_and_after(horovod_job):
+    """A channels_last conv weight (2304 entries): its gradient reaches compress not contiguous, which
+    Horovod refuses to reduce. Its warm-up steps, reduced densely, used to hand it to Horovod as it
+    was ("Tensor is required to be contiguous." from the backward hook); they send a contiguous copy,
+    and every step matches the reference."""
+    names = NAMES + ["conv.weight"]
+    opts = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 2, "min_numel": 600, "steps": 5, "conv": True,
+            "channels_last": True}
+    results, _ = horovod_job("torch_scalecom.py", opts, np=2)
+    assert all(int(r["non_contiguous"]) == 5 for r in results), [int(r["non_contiguous"]) for r in results]
+    applied = check_against_reference(results, opts, steps=5, names=names)
+    check_identical_weights(results, names)
+    assert sparsity(applied[1], "conv.weight") == 1.0
+    assert sparsity(applied[4], "conv.weight") == pytest.approx(0.05, abs=0.001)
+
+
+@pytest.mark.parametrize("kernels", ["C", "C, traded buffers"])
+def test_hvd_allreduce_called_directly(horovod_job, kernels):
+    """Without DistributedOptimizer: p.grad.copy_(hvd.allreduce(p.grad, compression=compression)).
+    The gradient handed over is the caller's, not set to the result as the optimizer sets it: where a
+    rank that did not select wrote its new memory over that gradient (traded buffers), the copy into it
+    overwrote the memory, silently; it now holds the result, and the memory its own."""
+    opts = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 5, "direct_allreduce": True,
+            **({"advance_min_numel": 0} if kernels == "C, traded buffers" else {})}
+    results, _ = horovod_job("torch_scalecom.py", opts, np=2)
+    check_against_reference(results, opts, steps=5)
+    check_identical_weights(results)
+
+
 @pytest.mark.parametrize("exchange", ["allgather", "broadcast"])
 def test_horovod_moves_k_values_and_k_indices(horovod_job, tmp_path, exchange):
     """What Horovod really moved, read from its timeline, not from stats() (and the first step's
@@ -177,6 +206,21 @@ def test_optimizer_features(horovod_job):
             "advance_min_numel": 0}
     results, _ = horovod_job("torch_scalecom.py", opts, np=3)
     check_against_reference(results, opts, steps=5)
+    check_identical_weights(results)
+
+
+@pytest.mark.parametrize("extra", [{"op": "sum"}, {"gradient_predivide_factor": 2.0}, {"groups": 2},
+                                   {"backward_passes_per_step": 2}])
+def test_optimizer_features_one_at_a_time(horovod_job, extra):
+    """Each on its own: in test_optimizer_features every parameter is in a group, and Horovod's
+    grouped allreduce takes no pre/postscale, so gradient_predivide_factor never applied there.
+    op=hvd.Sum sums what Average averages (the memories are the same); groups=2 splits the
+    parameters in two groups, each mixing a compressed weight with a dense tensor."""
+    opts = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 4, **extra}
+    results, _ = horovod_job("torch_scalecom.py", opts, np=2)
+    if extra.get("op") == "sum":
+        results = [{k: v / 2 if k.startswith("applied/") else v for k, v in r.items()} for r in results]
+    check_against_reference(results, opts, steps=4)
     check_identical_weights(results)
 
 

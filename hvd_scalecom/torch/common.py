@@ -30,11 +30,15 @@ def wire_dtype(dtype):
 
 def dense_on_the_wire(values, grad_dtype, copy=False):
     """``(sent, ctx)`` for a gradient of ``grad_dtype`` that a compressor hands Horovod dense:
-    ``values`` in :func:`wire_dtype` (a new tensor if ``copy``), and the dtype ``decompress`` casts
-    the reduction back to, None where that is the dtype it travelled in (a bfloat16 gradient
-    travels as float32)."""
+    ``values`` in :func:`wire_dtype` (a new tensor if ``copy``, or if ``values`` is not contiguous:
+    Horovod refuses such a tensor, e.g. a channels_last conv weight's gradient), and the dtype
+    ``decompress`` casts the reduction back to, None where that is the dtype it travelled in (a
+    bfloat16 gradient travels as float32)."""
     dtype = wire_dtype(grad_dtype)
-    sent = values.to(dtype, copy=True) if copy or values.dtype is not dtype else values
+    if copy or values.dtype is not dtype or not values.is_contiguous():
+        sent = values.to(dtype, memory_format=torch.contiguous_format, copy=True)
+    else:
+        sent = values
     return sent, (None if dtype is grad_dtype else grad_dtype)
 
 

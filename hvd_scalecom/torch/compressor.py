@@ -205,7 +205,7 @@ class ScaleCom(Compressor):
         try:
             values, ctx = self._compress_step(slot, tensor, t, numel, k, size, rank, leader, may_advance, start,
                                               dense_bytes)
-            return values, (*ctx, original)
+            return values, (*ctx, original, values)  # (values: reduced in place by the optimizer, see decompress)
         except BaseException:
             slot.step = t  # the step did not happen: a retry (or a restored state) starts it again
             raise
@@ -264,7 +264,7 @@ class ScaleCom(Compressor):
         if isinstance(ctx, torch.dtype):  # a dense bfloat16 gradient, reduced as float32
             return tensor.to(ctx)
         start = time.perf_counter()
-        slot, t, indices, grad, taken, sending, advanced, version, original = ctx
+        slot, t, indices, grad, taken, sending, advanced, version, original, handed = ctx
         self._check_received(self._synchronize(sending, slot), slot)  # long done: every rank has it
         if version is not None and grad._version != version:
             # Between its hook and synchronize() a gradient is in flight, as Horovod's own in-place
@@ -278,6 +278,15 @@ class ScaleCom(Compressor):
         if advanced:  # the buffers trade places: the gradient's becomes the memory, and vice versa
             out, slot.memory, updated = clt_k.filter_and_scatter_advanced(
                 slot.memory, grad, indices, tensor, taken, sent, self.config.beta, slot.marks)
+            if updated and tensor is not handed:
+                # Reduced out of place: hvd.allreduce(p.grad, compression=...), not the optimizer (which
+                # reduces the values in place and sets p.grad to what this returns). The caller keeps
+                # the gradient it handed over, whose buffer now holds the memory: trade the contents back,
+                # so that it holds the result (as a contiguous gradient does) and the memory its own.
+                result = out.clone()
+                out.copy_(slot.memory)
+                slot.memory.copy_(result)
+                slot.memory, out = out, slot.memory
             out = out.view(grad.shape)
         elif grad.is_contiguous():  # the gradient's storage, now read, receives the result
             out = grad

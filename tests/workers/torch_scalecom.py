@@ -58,6 +58,8 @@ class Net(torch.nn.Module):
             self.hidden.weight = torch.nn.Parameter(self.hidden.weight.detach().t().contiguous().t())
         if opts.get("embedding"):
             self.embed = torch.nn.Embedding(50, 48, sparse=True)
+        if opts.get("conv"):  # a 4-d weight of 2304 entries (channels_last with "channels_last")
+            self.conv = torch.nn.Conv2d(3, 48, 4, bias=False)
         if opts.get("tied_embedding"):  # one Parameter in two modules: named_parameters() lists it once
             self.embed = torch.nn.Embedding(50, 48)
             self.unembed = torch.nn.Linear(48, 50, bias=False)
@@ -66,6 +68,9 @@ class Net(torch.nn.Module):
     def forward(self, x, tokens=None, detach_out_weight=False):
         if tokens is not None:
             x = x + self.embed(tokens).mean(dim=1)
+        if opts.get("conv"):
+            x = x + self.conv(x.view(-1, 3, 4, 4).contiguous(
+                memory_format=torch.channels_last if opts.get("channels_last") else torch.contiguous_format)).view(-1, 48)
         if opts.get("tied_embedding"):  # the tied weight's second use: logits over the tokens
             x = x + torch.log_softmax(self.unembed(x), dim=1)[:, :48]
         h = torch.tanh(self.hidden(x))
@@ -78,6 +83,8 @@ torch.manual_seed(0)
 model = Net()
 if opts.get("dtype"):
     model = model.to(getattr(torch, opts["dtype"]))
+if opts.get("channels_last"):
+    model = model.to(memory_format=torch.channels_last)
 named = list(model.named_parameters())
 params = [p for _, p in named]
 class ScheduledLossScale:
@@ -108,7 +115,7 @@ compression = ScaleCom(
     loss_scaler=scaler, timeout=opts.get("timeout"),
     **({} if opts.get("process_set_for_optimizer_only") else set_kwargs))
 non_contiguous = [0]  # gradients that reached compress() not contiguous
-if opts.get("transposed_hidden"):
+if opts.get("transposed_hidden") or opts.get("channels_last"):
     compress_contiguous = compression.compress
 
     def compress_counting(tensor):
@@ -132,11 +139,12 @@ def counted_compress(tensor):
 
 
 compression.compress = counted_compress
-optimizer = hvd.DistributedOptimizer(
+direct = opts.get("direct_allreduce")  # no DistributedOptimizer: p.grad.copy_(hvd.allreduce(p.grad, compression=...))
+optimizer = optimizer if direct else hvd.DistributedOptimizer(
     optimizer, named_parameters=model.named_parameters(), compression=compression,
     backward_passes_per_step=passes, groups=groups, sparse_as_dense=opts.get("sparse_as_dense", False),
     gradient_predivide_factor=opts.get("gradient_predivide_factor", 1.0),
-    op=hvd.Adasum if opts.get("op") == "adasum" else hvd.Average, **set_kwargs)
+    op={"adasum": hvd.Adasum, "sum": hvd.Sum}.get(opts.get("op"), hvd.Average), **set_kwargs)
 # (Horovod broadcasts contiguous tensors, and no bfloat16 ones; the others start equal from the common seed)
 hvd.broadcast_parameters({n: v for n, v in model.state_dict().items()
                           if v.is_contiguous() and v.dtype is not torch.bfloat16}, root_rank=0)
@@ -257,6 +265,10 @@ for t in schedule:
             p.grad /= scaler.get_scale()
         with optimizer.skip_synchronize():
             optimizer.step()
+    elif direct:  # one blocking reduction per gradient, in the same order on every rank
+        for name, p in named:
+            p.grad.copy_(hvd.allreduce(p.grad, name=f"direct.{name}", compression=compression))
+        optimizer.step()
     elif opts.get("skip_nonfinite"):  # what a loss scaler does: skip a step with a non-finite gradient
         optimizer.synchronize()
         if all(bool(torch.isfinite(p.grad).all()) for p in params):
