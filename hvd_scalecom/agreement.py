@@ -25,6 +25,15 @@ def shapes_digest(named_shapes):
     return digest([[n, list(s)] for n, s in named_shapes])
 
 
+def dtype_names(dtypes):
+    """The distinct dtypes among ``dtypes`` as sorted names (``torch.float32`` as ``"float32"``), for a
+    summary: ranks whose parameters differ in dtype alone (a model cast on some ranks only) fail in
+    Horovod's allreduce without a name ("Mismatched data types"), or, where a ``value_dtype`` makes
+    every rank send one dtype, train on silently in different precisions. (Names, not a digest: the
+    error then shows each rank's dtypes, and a parameter list that differs does not also list them.)"""
+    return sorted({str(d).rsplit(".", 1)[-1] for d in dtypes})
+
+
 def encode(summary):
     """This rank's ``summary`` as bytes, the same for equal dicts whatever their key order."""
     return json.dumps(summary, sort_keys=True).encode()

@@ -61,10 +61,13 @@ def check_size(name, key, value, numel, what="parameter"):
         raise ValueError(f"state {key} of {name!r} has {size} entries, the {what} {numel}")
 
 
-def check_next_indices(name, value, k, numel, selects_ahead):
+def check_next_indices(name, value, k, numel, selects_ahead, entry_step=None):
     """``(step, indices)`` of a pipelined ScaleCom state entry, ``indices`` as a NumPy array of ``k``
     distinct integers in ``[0, numel)``; ValueError naming ``name`` otherwise, or where the tensor is never
-    selected ahead (not ``selects_ahead``: ``pipelined=False`` or fewer than ``min_numel`` entries)."""
+    selected ahead (not ``selects_ahead``: ``pipelined=False`` or fewer than ``min_numel`` entries), or
+    where ``step`` is not ``entry_step`` (the entry's step counter, if given): indices are saved for the
+    step that comes next, and a rank holding some for another step would exchange fresh ones while
+    the others use theirs (a hang, or different indices on different ranks)."""
     if not selects_ahead:
         raise ValueError(f"state has next_indices for {name!r}, which this ScaleCom never selects ahead "
                          f"(pipelined=False or fewer than min_numel entries)")
@@ -79,4 +82,8 @@ def check_next_indices(name, value, k, numel, selects_ahead):
     if (indices.shape != (k,) or indices.dtype.kind not in "iu" or not np.all((indices >= 0) & (indices < numel))
             or np.unique(indices).size != k):
         raise ValueError(f"state next_indices of {name!r} must be {k} distinct integers in [0, {numel})")
+    if entry_step is not None and step != entry_step:
+        raise ValueError(f"state next_indices of {name!r} are for step {step}, but its step counter is "
+                         f"{entry_step}: they are saved for the next step only (was the step or the indices "
+                         f"taken from another state?)")
     return int(step), indices

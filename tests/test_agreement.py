@@ -89,6 +89,21 @@ def test_next_indices_step_must_fit_the_step_counters():
     assert check_next_indices("w", (2**63 - 1, np.array([4, 1, 7])), 3, 10, True)[0] == 2**63 - 1
 
 
+def test_next_indices_must_be_for_the_entry_s_step():
+    """Saved for the step that comes next; a rank holding some for another step exchanged fresh indices
+    while the others used theirs (a hang at 2 ranks)."""
+    from hvd_scalecom.state import check_next_indices
+    with pytest.raises(ValueError, match=r"next_indices of 'w' are for step 4, but its step counter is 3"):
+        check_next_indices("w", (4, np.array([4, 1, 7])), 3, 10, True, entry_step=3)
+    assert check_next_indices("w", (3, np.array([4, 1, 7])), 3, 10, True, entry_step=3)[0] == 3
+
+
+def test_dtype_names_are_the_distinct_dtypes_sorted():
+    import torch
+    assert agreement.dtype_names([torch.float32, torch.float16, torch.float32]) == ["float16", "float32"]
+    assert agreement.dtype_names(["float64"]) == ["float64"]
+
+
 def test_a_key_missing_on_one_rank_is_named():
     """Present as None on one rank, missing on another: the bytes differ, and so must the message."""
     gathered = [agreement.encode({"ratio": 0.01, "extra": None}), agreement.encode({"ratio": 0.01})]

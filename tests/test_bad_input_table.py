@@ -298,8 +298,10 @@ def with_last(good, **entry):
 
 
 def with_broken(good, name, **entry):
-    """As :func:`with_last`, the entry of parameter ``name`` broken (the others' steps set to 9)."""
-    params = {n: {**e, "step": 9} for n, e in good["params"].items()}
+    """As :func:`with_last`, the entry of parameter ``name`` broken (the others' steps set to 9, and
+    their next_indices, which must be for the entry's step, with them)."""
+    params = {n: {**e, "step": 9, **({"next_indices": (9, e["next_indices"][1])} if "next_indices" in e else {})}
+              for n, e in good["params"].items()}
     params[name] = {**params[name], **entry}
     return {**good, "params": params}
 
@@ -383,6 +385,9 @@ def pipelined_scalecom_rows(good):
         (with_broken(good, "1.weight", next_indices=(4, ahead[:1].repeat(6))), ValueError, "6 distinct integers"),
         (with_broken(good, "1.weight", next_indices=(4, ahead.float())), ValueError, "6 distinct integers"),
         (with_broken(good, "1.bias", next_indices=(4, ahead[:1])), ValueError, "never selects ahead"),
+        # for a step other than the entry's (9): that rank exchanged fresh indices while others used theirs
+        (with_broken(good, "1.weight", next_indices=(4, ahead)), ValueError,
+         "next_indices of '1.weight' are for step 4, but its step counter is 9"),
     ]
 
 

@@ -738,7 +738,8 @@ def test_load_state_dict_checks_everything_first(tf_modules):
     state = pipelined.state_dict()
     assert "next_indices" not in state["params"]["w"]  # nothing chosen ahead yet
     for indices, step in [(np.arange(11), 3), (np.arange(12) + 1190, 3), (np.arange(12.0), 3),
-                          (np.arange(12), -2), (np.zeros(12, np.int64), 3)]:  # (repeated: scatter_nd would add)
+                          (np.arange(12), -2), (np.zeros(12, np.int64), 3),  # (repeated: scatter_nd would add)
+                          (np.arange(12) * 7, 4)]:  # (for another step than the counters': a hang, or other I)
         with pytest.raises(ValueError, match="next_indices of 'w'"):
             pipelined.load_state_dict({**state, "params": {
                 "w": {"step": 3, "memory": good_memory, "next_indices": (step, indices)},

@@ -110,6 +110,12 @@ def test_a_process_set_given_to_the_optimizer_alone_ends_with_a_clear_error(horo
     (3, {"0": {"min_numel": 100}, "2": {"beta": 0.25}}, "beta, min_numel"),
     (3, {"1": {"drop_last_param": True}}, "parameter_digest, parameters"),
     (2, {"1": {"skew_steps_at": 0}}, "steps"),  # a state of another step, loaded before the first
+    # a model cast on one rank only: Horovod's "Mismatched data types" named no tensor (or, with a
+    # value_dtype every rank sends, the ranks trained on in different precisions)
+    (2, {"0": {"skip_broadcast": True}, "1": {"skip_broadcast": True, "dtype": "float64"}}, "parameter_dtypes"),
+    # a loss_scaler given to one rank's ScaleCom only: its memory did not follow the scale (silently)
+    (2, {"0": {"loss_scale_schedule": {"0": 1, "1": 1024}},
+         "1": {"loss_scale_schedule": {"0": 1, "1": 1024}, "no_loss_scaler": True}}, "loss_scaler"),
 ])
 def test_ranks_that_disagree_all_get_one_clear_error(horovod_job, size, per_rank, differing):
     from hvd_scalecom.launch import HorovodRunError
@@ -135,6 +141,40 @@ def test_step_counters_that_part_after_the_first_step_stop_every_rank_with_one_e
         section = report.split(f"----- rank {rank} -----", 1)[1].split("-----", 1)[0]
         assert re.search(r"ValueError: ScaleCom: the index exchange of '[\w.]+' delivered 0 indices, not k = \d+: "
                          r"the ranks disagree on this step's leader", section), section[-2000:]
+
+
+def test_pipelined_indices_saved_for_another_step_are_refused_at_the_load(horovod_job):
+    """Rank 1 loads a state whose next_indices are for the step after its counters' step. It used to
+    exchange fresh indices for that step while rank 0 used the ones chosen ahead: rank 1 waited for
+    indices that never came, warning about frozen parameters and warm-up (a hang without a timeout).
+    The load refuses the state, naming the parameter and both steps, before it changes anything."""
+    from hvd_scalecom.launch import HorovodRunError
+    opts = {"steps": 4, "pipelined": True, "per_rank": {"1": {"skew_next_indices_at": 2}}}
+    with pytest.raises(HorovodRunError) as failure:
+        horovod_job("torch_scalecom.py", opts, np=2, timeout=120)
+    report = str(failure.value)
+    assert "timed out" not in report.split("\n", 1)[0]
+    rank1 = report.split("----- rank 1 -----", 1)[1]
+    assert "ValueError: state next_indices of 'hidden.weight' are for step 3, but its step counter is 2" in rank1, \
+        rank1[-2000:]
+    assert "still waiting" not in report
+
+
+def test_pipelined_indices_restored_on_some_ranks_only_end_with_the_timeout_s_error_naming_them(horovod_job):
+    """Rank 1 restores its state without next_indices at step 2 (a state is valid without them: one
+    saved before the first compressed step, or after a resync): it exchanges fresh indices while rank 0
+    uses those chosen ahead, which no check between ranks can see. Without a timeout both wait for
+    good; with one, rank 1's error names this cause, where it named only frozen parameters, hook orders,
+    stopped ranks and warm-up."""
+    from hvd_scalecom.launch import HorovodRunError
+    opts = {"steps": 4, "pipelined": True, "timeout": 8, "per_rank": {"1": {"drop_next_indices_at": 2}}}
+    with pytest.raises(HorovodRunError) as failure:
+        horovod_job("torch_scalecom.py", opts, np=2, timeout=120)
+    report = str(failure.value)
+    assert "timed out" not in report.split("\n", 1)[0]
+    rank1 = report.split("----- rank 1 -----", 1)[1]
+    assert "still waiting after 8 s for the leader's indices for 'out.weight'" in rank1, rank1[-2000:]
+    assert "the ranks restored states of which only some held this parameter's next_indices" in rank1, rank1[-2000:]
 
 
 def test_step_counters_on_either_side_of_warm_up_s_end_end_with_the_timeout_s_error(horovod_job):

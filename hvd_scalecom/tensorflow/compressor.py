@@ -696,7 +696,7 @@ class ScaleCom(tf.Module, Compressor):
             memories[name] = memory
             if "next_indices" in entry:
                 ahead[name] = check_next_indices(name, entry["next_indices"], slot.k, slot.numel,
-                                                 self.config.pipelined and slot.compressible)
+                                                 self.config.pipelined and slot.compressible, steps[name])
         for name, entry in params.items():
             slot = self._by_name[name]
             slot.step.assign(steps[name])

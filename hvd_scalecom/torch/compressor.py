@@ -47,7 +47,7 @@ import torch
 import horovod.torch as hvd
 from horovod.torch.compression import Compressor
 
-from hvd_scalecom.agreement import STEPS_HINT, shapes_digest
+from hvd_scalecom.agreement import STEPS_HINT, dtype_names, shapes_digest
 from hvd_scalecom.config import HOROVOD_VALUE_DTYPES, INDEX_DTYPES, ScaleComConfig, check_dtype_name, is_real
 from hvd_scalecom.state import check_loss_scale, check_next_indices, checked_params
 from hvd_scalecom.torch import clt_k
@@ -372,7 +372,7 @@ class ScaleCom(Compressor):
             if "next_indices" in entry:
                 t, indices = check_next_indices(
                     name, entry["next_indices"], self.config.num_selected(numel), numel,
-                    self.config.pipelined and self.config.compresses(numel))
+                    self.config.pipelined and self.config.compresses(numel), entry_step=int(entry["step"]))
                 ahead = (t, torch.as_tensor(indices).to(device=param.device, dtype=self._index_dtype(numel),
                                                         copy=True))
             restored[name] = (memory, scale, ahead)
@@ -417,11 +417,17 @@ class ScaleCom(Compressor):
         named_shapes = [(slot.name, tuple(slot.param.shape)) for slot in self._slots]
         summary = {**self.config.as_dict(), "index_exchange": self.index_exchange, "parameters": len(named_shapes),
                    "parameter_digest": shapes_digest(named_shapes),
+                   "parameter_dtypes": dtype_names(slot.param.dtype for slot in self._slots),
+                   "loss_scaler": self._loss_scaler is not None,
                    "steps": sorted({slot.step for slot in self._slots})}
         self._agreed = True
         check_agreement("ScaleCom", summary, self._process_set,
                         {"parameter_digest": "(parameter_digest covers the names and shapes of "
                                              "named_parameters.)",
+                         "parameter_dtypes": "(parameter_dtypes lists the dtypes of named_parameters: "
+                                             "a model cast to another dtype on some ranks only?)",
+                         "loss_scaler": "(a loss_scaler given on some ranks only: the others' residue "
+                                        "memories would not follow the loss scale.)",
                          "steps": STEPS_HINT}, stall=stall_times())  # (timeout= is for indices)
 
     def _index_dtype(self, numel):
@@ -573,7 +579,10 @@ class ScaleCom(Compressor):
              f"the leader's indices for {slot.name!r}. A rank reduces this parameter later than the others "
              f"(e.g. it is frozen or unused on some ranks only, or ranks reduce parameters in different "
              f"orders while leader='staggered'), a rank stopped training, or a rank is still in warm-up "
-             f"(its step counters differ: restore every rank from a state_dict() of the same step)",
+             f"(its step counters differ: restore every rank from a state_dict() of the same step)"
+             + (", or the ranks restored states of which only some held this parameter's next_indices "
+                "(pipelined: the others use the indices chosen ahead and exchange none; restore every rank "
+                "from states saved after the same step)" if self.config.pipelined else ""),
              "Set ScaleCom(timeout=...) to raise instead.")
 
     def _not_yet_reduced(self, index):

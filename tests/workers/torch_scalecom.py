@@ -7,7 +7,10 @@ with ``rollback``, ``first_attempt/<t>/<name>`` (what a step applied before it r
 ``commit_every_step``, ``next_indices/<t>/<name>`` ((step, *sorted indices) that state_dict() held).
 ``late_rank``: ``{"rank", "seconds"}`` that rank sleeps before its first step, and ``stats/first``
 is ``stats()`` of the first step (at most 5 steps: those stats() keeps). ``skew_steps_at`` (given to one rank through ``per_rank``): at the top of that step, that rank's step
-counters move one ahead, through its own state_dict() and load_state_dict().
+counters move one ahead, through its own state_dict() and load_state_dict(); ``skew_next_indices_at``
+likewise moves only the step of its pipelined next_indices, and ``drop_next_indices_at`` removes them.
+``per_rank`` applies to every option (``dtype`` too; ``no_loss_scaler``: the loss scale schedule
+without ScaleCom's ``loss_scaler``; ``skip_broadcast``: no broadcast_parameters, the seed alone).
 """
 
 import copy
@@ -46,6 +49,8 @@ else:
     hvd.init()
 rank, size = hvd.rank(), hvd.size()
 set_kwargs = {"process_set": process_set} if process_set is not None else {}
+per_rank = opts.get("per_rank", {}).get(str(rank), {})  # deliberately disagreeing ranks
+opts = {**opts, **per_rank}
 
 
 class Net(torch.nn.Module):
@@ -104,15 +109,13 @@ if opts.get("grad_scaler"):
     grad_scaler = torch.amp.GradScaler("cpu", init_scale=opts["grad_scaler"]["init_scale"],
                                        growth_interval=opts["grad_scaler"]["growth_interval"])
     scaler = grad_scaler
-per_rank = opts.get("per_rank", {}).get(str(rank), {})  # deliberately disagreeing ranks
-opts = {**opts, **per_rank}
 compression = ScaleCom(
     named[:-1] if opts.get("drop_last_param") else model.named_parameters(), ratio=opts.get("ratio", 0.05), beta=opts.get("beta", 0.5),
     warmup_steps=opts.get("warmup_steps", 0), min_numel=opts.get("min_numel", 600),
     leader=opts.get("leader", "cyclic"), selection=opts.get("selection", "exact"),
     value_dtype=opts.get("value_dtype"), index_dtype=opts.get("index_dtype", "int32"),
     pipelined=opts.get("pipelined", False), index_exchange=opts.get("index_exchange", "allgather"),
-    loss_scaler=scaler, timeout=opts.get("timeout"),
+    loss_scaler=None if opts.get("no_loss_scaler") else scaler, timeout=opts.get("timeout"),
     **({} if opts.get("process_set_for_optimizer_only") else set_kwargs))
 non_contiguous = [0]  # gradients that reached compress() not contiguous
 if opts.get("transposed_hidden") or opts.get("channels_last"):
@@ -146,8 +149,9 @@ optimizer = optimizer if direct else hvd.DistributedOptimizer(
     gradient_predivide_factor=opts.get("gradient_predivide_factor", 1.0),
     op={"adasum": hvd.Adasum, "sum": hvd.Sum}.get(opts.get("op"), hvd.Average), **set_kwargs)
 # (Horovod broadcasts contiguous tensors, and no bfloat16 ones; the others start equal from the common seed)
-hvd.broadcast_parameters({n: v for n, v in model.state_dict().items()
-                          if v.is_contiguous() and v.dtype is not torch.bfloat16}, root_rank=0)
+if not opts.get("skip_broadcast"):  # (the common seed alone: ranks whose dtypes differ reach ScaleCom's check)
+    hvd.broadcast_parameters({n: v for n, v in model.state_dict().items()
+                              if v.is_contiguous() and v.dtype is not torch.bfloat16}, root_rank=0)
 
 poison = opts.get("poison")  # {"rank", "step", "value"}: one entry of hidden.weight's gradient
 current_step = [-1]  # the step whose loss.backward() is running (-1: none)
@@ -204,6 +208,17 @@ for t in schedule:
         skewed = compression.state_dict()
         for entry in skewed["params"].values():
             entry["step"] += 1
+        compression.load_state_dict(skewed)
+    if opts.get("drop_next_indices_at") == t:  # this rank's state loses its pipelined next_indices
+        dropped = compression.state_dict()
+        for entry in dropped["params"].values():
+            entry.pop("next_indices", None)
+        compression.load_state_dict(dropped)
+    if opts.get("skew_next_indices_at") == t:  # this rank's pipelined indices claim the next step
+        skewed = compression.state_dict()
+        for entry in skewed["params"].values():
+            if "next_indices" in entry:
+                entry["next_indices"] = (entry["next_indices"][0] + 1, entry["next_indices"][1])
         compression.load_state_dict(skewed)
     if rollback and t == rollback["to"] and snapshot is None:
         snapshot = copy.deepcopy((compression.state_dict(), model.state_dict(), optimizer.state_dict()))
