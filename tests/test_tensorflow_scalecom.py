@@ -308,6 +308,26 @@ def test_an_embedding_gradient_densified_outside_tf_function_is_matched_to_its_v
     assert one_rank(code, "EAGER ", "FUNCTION ") == ["EAGER True", "FUNCTION True"]
 
 
+def test_an_embedding_first_among_variables_trains_as_the_reference_eagerly_and_traced(horovod_job):
+    """2 ranks, an embedding (variable #0) and a dense layer, sparse_as_dense=True, one warm-up step:
+    eagerly (Horovod's own tf.function, where the densified gradient's shape is (None, 16)) and in a
+    tf.function, every step applies the reference's update. (Eagerly, the step check of variable #0
+    was built in its gradient's cond branch, out of reach of the next variable's: InaccessibleTensorError.)"""
+    results, _ = horovod_job("tf_embedding.py", {}, np=2)
+    assert len(results) == 2
+    for mode in ("eager", "function"):
+        for rank, r in enumerate(results):
+            assert str(r[f"{mode}/error"]) == "", f"{mode}, rank {rank}: {r[f'{mode}/error']}"
+        grads = [[{n: r[f"{mode}/raw/{t}/{n}"] for n in "01"} for r in results] for t in range(3)]
+        applied, _ = scalecom_reference(grads, list("01"), 2, 0.05, 0.5, 1, 100)
+        for t in range(3):
+            for n in "01":
+                for rank, r in enumerate(results):
+                    np.testing.assert_allclose(r[f"{mode}/applied/{t}/{n}"], applied[t][n], rtol=2e-5, atol=1e-6,
+                                               err_msg=f"{mode}, step {t}, variable {n}, rank {rank}")
+        assert density(applied[0], "0") > density(applied[2], "0")  # (dense warm-up, then k entries)
+
+
 def test_a_checkpoint_restore_rolls_the_statistics_back_with_the_steps():
     """tf.train.Checkpoint saves the tallies behind stats() with the step counters: after going back
     to step 3 of 8, stats() covers steps 0-2 (one warm-up, two compressed), as before step 3."""
@@ -557,7 +577,10 @@ def test_refused_steps_through_the_tape_change_nothing_and_grouped_fp16_values_a
     counter, tally, memory and stats() as they were, on every rank, and Horovod works on after it.
     groups=1 with fp16 values and a variable below min_numel (reduced densely in float32) would put
     two dtypes in one grouped allreduce: every rank gets a ValueError naming both arguments. A tape
-    with op=hvd.Sum around a ScaleCom that averages is refused at its warm-up step, eager or traced."""
+    with op=hvd.Sum around a ScaleCom that averages is refused at its warm-up step, eager or traced.
+    A step compiled by XLA (jit_compile=True) is refused naming jit_compile, and a Keras model whose
+    trainable variables changed (a layer frozen) after a make_train_step step or a model.fit step
+    with DistributedOptimizer is refused at the next step, before anything changes."""
     results, _ = horovod_job("tf_refusals.py", {}, np=2)
     assert len(results) == 2
     for rank, r in enumerate(results):
@@ -577,6 +600,16 @@ def test_refused_steps_through_the_tape_change_nothing_and_grouped_fp16_values_a
             error = str(r[f"op/{mode}/error"])
             assert "ScaleCom was built with op=Average but Horovod reduced its tensors with the other op" in error, \
                 f"rank {rank}, {mode}: {error}"
+        error = str(r["xla/error"])  # (before: XLA's error naming ScaleCom's Timestamp op)
+        assert error.startswith("ValueError") and "jit_compile=True" in error and \
+            "Use jit_compile=False" in error, f"rank {rank}: {error}"
+        assert list(r["xla/steps"]) == [0, 0] and not r["xla/moved"]
+        for how, changed in (("step", "4 then, 2 now"), ("fit", "built for 4 variables, got 2")):
+            error = str(r[f"frozen/{how}/error"])  # (before: the step trained the frozen layer; fit
+            # went one step on, then blamed a sparse or None gradient)
+            assert error.startswith("ValueError") and changed in error, f"rank {rank}, {how}: {error}"
+            assert not r[f"frozen/{how}/moved"].any(), f"rank {rank}, {how}"
+            assert list(r[f"frozen/{how}/steps"]) == [1, 1, 1, 1], f"rank {rank}, {how}"
 
 
 def test_staggered_leader_fp16_values_threshold_selection_process_set(horovod_job):

@@ -55,6 +55,7 @@ import numpy as np
 import tensorflow as tf
 import horovod.tensorflow as hvd
 from horovod.tensorflow.compression import Compressor
+from tensorflow.python.ops import control_flow_util
 from tensorflow.python.trackable.base import Trackable
 
 from hvd_scalecom import agreement
@@ -207,6 +208,14 @@ class ScaleCom(tf.Module, Compressor):
     # -- Horovod's compression interface ----------------------------------------------------------
 
     def compress(self, tensor):
+        if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+            # (before anything moves: XLA would refuse the step only when compiling it, naming one of
+            # ScaleCom's ops it has no kernel for, as it would Horovod's)
+            raise ValueError(
+                "ScaleCom cannot run under XLA: the step is compiled with jit_compile=True "
+                "(tf.function(jit_compile=True), or Keras compile(), whose jit_compile='auto' means True "
+                "on a GPU), and neither Horovod's collectives nor ScaleCom's ops have XLA kernels. "
+                "Use jit_compile=False.")
         try:
             return self._compress_next(tensor)
         except Exception as error:
@@ -214,6 +223,7 @@ class ScaleCom(tf.Module, Compressor):
             raise
 
     def _compress_next(self, tensor):
+        graph = _graph_of(tensor)  # (the gradients' graph; ensure_shape's would be Horovod's cond branch)
         try:
             slot = self._slot_of(tensor)
             if not tensor.shape.is_fully_defined():
@@ -224,7 +234,7 @@ class ScaleCom(tf.Module, Compressor):
         slot.grad_dtype = tensor.dtype
         self._check_one_dtype_per_group(slot, tensor.dtype)
         if slot.index == 0:
-            self._step_checked = self._check_every_variable_stepped(_graph_of(tensor))
+            self._step_checked = self._check_every_variable_stepped(graph)
         checked = [] if self._step_checked is None else [tf.identity(self._step_checked)]  # (a capture)
         with tf.name_scope(f"{self._prefix}_{slot.index}"), tf.control_dependencies(checked):
             if not slot.compressible:

@@ -63,6 +63,10 @@ def make_train_step(model, optimizer, loss, compression=None, *, root_rank=0, ji
             compression; ``None``: dense).
         jit: wrap the step in ``tf.function`` (default); ``False`` runs eagerly (Horovod then traces
             its own reduction function once).
+
+    The step trains ``model.trainable_variables`` as they were when it was made: once they change (a
+    layer frozen or unfrozen), a call raises ValueError, changing nothing; make a new step (and a
+    ScaleCom for the new variables).
     """
     if not isinstance(model, keras.Model):
         raise TypeError(f"model must be a keras.Model, got {type(model).__name__}")
@@ -95,7 +99,7 @@ def make_train_step(model, optimizer, loss, compression=None, *, root_rank=0, ji
                             root_rank=root_rank)
     scale_loss = getattr(optimizer, "scale_loss", lambda loss_value: loss_value)
 
-    def step(x, y, sample_weight=None):
+    def train(x, y, sample_weight=None):
         with tf.GradientTape() as tape:
             prediction = model(x, training=True)
             loss_value = _mean_loss(loss_fn, y, prediction, sample_weight)
@@ -107,7 +111,19 @@ def make_train_step(model, optimizer, loss, compression=None, *, root_rank=0, ji
         optimizer.apply_gradients(zip(grads, trainable))
         return loss_value
 
-    return tf.function(step) if jit else step
+    train = tf.function(train) if jit else train
+    trainable_ids = [id(v) for v in trainable]
+
+    def step(x, y, sample_weight=None):
+        if [id(v) for v in model.trainable_variables] != trainable_ids:  # (a frozen layer would train on)
+            raise ValueError(
+                f"model.trainable_variables changed since make_train_step (a layer frozen or unfrozen: "
+                f"{len(trainable_ids)} then, {len(model.trainable_variables)} now); the step trains those "
+                f"of then, and ScaleCom matches gradients to its variables by position: make a new step "
+                f"(with a ScaleCom built for model.trainable_variables)")
+        return train(x, y, sample_weight)
+
+    return step
 
 
 def DistributedOptimizer(optimizer, compression=None, *, sparse_as_dense=None,
@@ -122,7 +138,9 @@ def DistributedOptimizer(optimizer, compression=None, *, sparse_as_dense=None,
     Gradients must come in the order of the variables ScaleCom was built with (``fit`` passes
     ``model.trainable_weights``, which is ``model.trainable_variables``). The reduction uses
     ScaleCom's ``op`` (``hvd.Average`` for other compressions) and ``process_set``, which must be
-    ScaleCom's; ``sparse_as_dense`` defaults to True with ScaleCom (else False). XLA (``jit_compile``) and
+    ScaleCom's; ``sparse_as_dense`` defaults to True with ScaleCom (else False). With ScaleCom, a step
+    whose variables are not ScaleCom's (layers frozen or unfrozen since it was built, then compiled
+    again) is refused with a ValueError before any gradient is reduced. XLA (``jit_compile``) and
     ``steps_per_execution > 1`` are not supported: Horovod's ops have no XLA kernels, and ScaleCom's
     state updates are not meant to run inside a ``tf.while_loop``.
 
@@ -154,6 +172,15 @@ def DistributedOptimizer(optimizer, compression=None, *, sparse_as_dense=None,
 
     def apply_gradients(self, grads_and_vars):
         grads, variables = zip(*grads_and_vars)
+        if scalecom:  # (before any gradient is reduced)
+            try:
+                compression.check_variables(variables)
+            except ValueError as error:
+                raise ValueError(
+                    f"DistributedOptimizer: the variables to apply gradients to are not ScaleCom's ({error}); "
+                    f"ScaleCom matches gradients to its variables by position. Were layers frozen or "
+                    f"unfrozen since it was built? Build a ScaleCom for model.trainable_variables and "
+                    f"compile with a new DistributedOptimizer") from None
         reduced = reduce(list(grads), None, False)
         self._hvd_reduced = True  # (while tracing: apply() below is reached from here only)
         try:

@@ -10,6 +10,11 @@ argv: JSON options (unused), output directory. Writes ``rank<R>.npz`` with:
 * ``groups/error``: the ValueError of ``groups=1`` with fp16 values and a variable below min_numel.
 * ``op/<eager|function>/error``: a warm-up step of a tape with ``op=hvd.Sum`` and a ScaleCom that
   averages.
+* ``xla/...``: a step in ``tf.function(jit_compile=True)``: its ``error``, the step counters
+  (``steps``) and weights (``moved``: whether any changed) after it.
+* ``frozen/<step|fit>/...``: a Keras model's first layer frozen after a ``make_train_step`` step, its
+  last layer frozen after a ``model.fit`` step and compiled again with a new ``DistributedOptimizer``
+  around the same ScaleCom: the next step's ``error``, ``moved`` and ``steps``.
 """
 
 import json
@@ -91,6 +96,62 @@ for mode in ("eager", "function"):  # a tape that sums, a ScaleCom that averages
         record[f"op/{mode}/error"] = np.array("")
     except tf.errors.InvalidArgumentError as error:
         record[f"op/{mode}/error"] = np.array(error.message)
+
+xla_weights = [tf.Variable(tf.ones([3000]) * (i + 1)) for i in range(2)]
+xla_compression = ScaleCom(xla_weights, ratio=0.01, min_numel=100)
+
+
+@tf.function(jit_compile=True)
+def xla_step():
+    with tf.GradientTape() as tape:
+        loss = sum(tf.reduce_sum(w * w) for w in xla_weights)
+    grads = hvd.DistributedGradientTape(tape, compression=xla_compression).gradient(loss, xla_weights)
+    for w, g in zip(xla_weights, grads):
+        w.assign_sub(0.1 * g)
+
+
+try:
+    xla_step()
+    record["xla/error"] = np.array("")
+except Exception as error:  # (before: XLA's InvalidArgumentError naming ScaleCom's Timestamp op)
+    record["xla/error"] = np.array(f"{type(error).__name__}: {error}")
+record["xla/steps"] = np.array([int(s.numpy()) for s in xla_compression.steps])
+record["xla/moved"] = np.array(any(bool(np.any(w.numpy() != (i + 1))) for i, w in enumerate(xla_weights)))
+
+import keras  # noqa: E402
+from hvd_scalecom.tensorflow import DistributedOptimizer, make_train_step  # noqa: E402
+
+x = tf.constant(np.random.default_rng(rank).standard_normal([16, 48]), tf.float32)
+y = tf.constant(np.arange(16) % 10, tf.int32)
+loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+for how in ("step", "fit"):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((48,)), keras.layers.Dense(64, activation="tanh"),
+                              keras.layers.Dense(10)])
+    frozen_compression = ScaleCom(model.trainable_variables, ratio=0.05, beta=0.5, min_numel=600)
+    if how == "step":
+        train_step = make_train_step(model, keras.optimizers.SGD(0.1), loss_fn, frozen_compression)
+        train_step(x, y)
+        frozen = model.layers[0]
+    else:
+        model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1), frozen_compression),
+                      loss=loss_fn, jit_compile=False)
+        model.fit(x, y, batch_size=16, verbose=0, shuffle=False)
+        frozen = model.layers[1]
+    frozen.trainable = False
+    before = [w.numpy() for w in model.weights]
+    try:
+        if how == "step":
+            train_step(x, y)
+        else:  # (before: the first step went through, the next one was refused naming None gradients)
+            model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1), frozen_compression),
+                          loss=loss_fn, jit_compile=False)
+            model.fit(x, y, batch_size=8, verbose=0, shuffle=False)
+        record[f"frozen/{how}/error"] = np.array("")
+    except Exception as error:
+        record[f"frozen/{how}/error"] = np.array(f"{type(error).__name__}: {error}")
+    record[f"frozen/{how}/moved"] = np.array([bool(np.any(w.numpy() != b)) for w, b in zip(model.weights, before)])
+    record[f"frozen/{how}/steps"] = np.array([int(s.numpy()) for s in frozen_compression.steps])
 
 np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **record)
 hvd.allreduce(tf.constant(0.0), name="worker_done")
