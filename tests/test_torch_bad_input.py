@@ -14,6 +14,22 @@ def model():
     return torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.Linear(30, 2))
 
 
+def failed_job(horovod_job, opts, np=2, env=None):
+    """The report of a ``torch_scalecom.py`` job that must end with an error of its own, not the
+    launcher's timeout."""
+    from hvd_scalecom.launch import HorovodRunError
+    with pytest.raises(HorovodRunError) as failure:
+        horovod_job("torch_scalecom.py", opts, np=np, timeout=120, env=env)
+    report = str(failure.value)
+    assert "timed out" not in report.split("\n", 1)[0], report[:2000]
+    return report
+
+
+def section(report, rank):
+    """What rank ``rank`` printed, from a failed job's report."""
+    return report.split(f"----- rank {rank} -----", 1)[1].split("----- rank ", 1)[0]
+
+
 def test_accepts_torch_dtypes_and_names():
     a = ScaleCom(model().named_parameters(), value_dtype=torch.float16, index_dtype=torch.int64)
     b = ScaleCom(model().named_parameters(), value_dtype="float16", index_dtype="int64")
@@ -60,47 +76,34 @@ def test_a_parameter_handed_over_names_adasum():
 
 
 def test_adasum_is_a_clear_error(horovod_job):
-    from hvd_scalecom.launch import HorovodRunError
-    with pytest.raises(HorovodRunError) as refused:
-        horovod_job("torch_scalecom.py", {"op": "adasum", "steps": 1}, np=2, timeout=120)
-    sections = str(refused.value).split("----- rank ")[1:]  # ScaleCom's own error, on every rank
-    assert len(sections) == 2 and all("handed a parameter, not its gradient: hvd.DistributedOptimizer was "
-                                      "built with op=hvd.Adasum" in section for section in sections)
+    report = failed_job(horovod_job, {"op": "adasum", "steps": 1})
+    assert all("handed a parameter, not its gradient: hvd.DistributedOptimizer was built with op=hvd.Adasum"
+               in section(report, rank) for rank in (0, 1))  # ScaleCom's own error, on every rank
 
 
 def test_hvd_join_ends_with_horovod_s_error_not_a_hang(horovod_job):
     """Rank 0 joins after one step while rank 1 takes two more: Horovod 0.28.1 refuses the allgather of
     ScaleCom's indices once a rank has joined, and the job ends on both ranks."""
-    from hvd_scalecom.launch import HorovodRunError
-    opts = {"steps": 3, "join": True, "per_rank": {"0": {"steps": 1}}}
-    with pytest.raises(HorovodRunError) as failure:
-        horovod_job("torch_scalecom.py", opts, np=2, timeout=120)
-    report = str(failure.value)
-    assert "timed out" not in report.split("\n", 1)[0]
-    rank1 = report.split("----- rank 1 -----", 1)[1]
+    rank1 = section(failed_job(horovod_job, {"steps": 3, "join": True, "per_rank": {"0": {"steps": 1}}}), 1)
     assert "Allgather is not supported with Join" in rank1, rank1[-2000:]
 
 
 def test_a_process_set_given_to_the_optimizer_alone_ends_with_a_clear_error(horovod_job):
     """Rank 1, outside the optimizer's process set, never reduces: ScaleCom's comparison over all
     ranks waits for it, warning at Horovod's stall check interval and raising at its shutdown time."""
-    from hvd_scalecom.launch import HorovodRunError
     opts = {"steps": 2, "process_set": [0, 2], "process_set_for_optimizer_only": True}
-    with pytest.raises(HorovodRunError) as failure:
-        horovod_job("torch_scalecom.py", opts, np=3, timeout=120,
-                    env={"HOROVOD_STALL_CHECK_TIME_SECONDS": "3", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "8"})
-    report = str(failure.value)
-    assert "timed out" not in report.split("\n", 1)[0]
-    sections = [report.split(f"----- rank {rank} -----", 1)[1].split("-----", 1)[0] for rank in (0, 2)]
-    for section in sections:
+    report = failed_job(horovod_job, opts, np=3,
+                        env={"HOROVOD_STALL_CHECK_TIME_SECONDS": "3", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "8"})
+    sections = [section(report, rank) for rank in (0, 2)]
+    for printed in sections:
         # (the seconds as waited, rounded: a loaded machine can print 4)
         assert re.search(r"ScaleCom warning: still waiting after \d+ s for every rank's ScaleCom configuration",
-                         section), section[-2000:]
-        assert "pass it the optimizer's process_set" in section
+                         printed), printed[-2000:]
+        assert "pass it the optimizer's process_set" in printed
         # (a rank may learn of the first error from Horovod's shutdown, the same 8 s later)
-        assert "RuntimeError: ScaleCom: still waiting after 8 s" in section or \
-            "Horovod has been shut down" in section
-    assert any("RuntimeError: ScaleCom: still waiting after 8 s" in section for section in sections)
+        assert "RuntimeError: ScaleCom: still waiting after 8 s" in printed or \
+            "Horovod has been shut down" in printed
+    assert any("RuntimeError: ScaleCom: still waiting after 8 s" in printed for printed in sections)
 
 
 @pytest.mark.parametrize("size, per_rank, differing", [
@@ -118,13 +121,9 @@ def test_a_process_set_given_to_the_optimizer_alone_ends_with_a_clear_error(horo
          "1": {"loss_scale_schedule": {"0": 1, "1": 1024}, "no_loss_scaler": True}}, "loss_scaler"),
 ])
 def test_ranks_that_disagree_all_get_one_clear_error(horovod_job, size, per_rank, differing):
-    from hvd_scalecom.launch import HorovodRunError
-    with pytest.raises(HorovodRunError) as failure:
-        horovod_job("torch_scalecom.py", {"steps": 2, "per_rank": per_rank}, np=size, timeout=120)
-    report = str(failure.value)
+    report = failed_job(horovod_job, {"steps": 2, "per_rank": per_rank}, np=size)
     for rank in range(size):
-        section = report.split(f"----- rank {rank} -----", 1)[1].split("-----", 1)[0]
-        assert f"ScaleCom is configured differently on different ranks ({differing} differ" in section
+        assert f"ScaleCom is configured differently on different ranks ({differing} differ" in section(report, rank)
 
 
 @pytest.mark.parametrize("size", [2, 3])
@@ -133,14 +132,11 @@ def test_step_counters_that_part_after_the_first_step_stop_every_rank_with_one_e
     leads step 1's first compressed tensor in the others' eyes, the index allgather delivers no
     indices, and every rank raises the same ValueError (before, each trained on with zero updates,
     and ranks whose counters made two leaders applied different indices, silently)."""
-    from hvd_scalecom.launch import HorovodRunError
-    with pytest.raises(HorovodRunError) as failure:
-        horovod_job("torch_scalecom.py", {"steps": 3, "per_rank": {"1": {"skew_steps_at": 1}}}, np=size, timeout=120)
-    report = str(failure.value)
+    report = failed_job(horovod_job, {"steps": 3, "per_rank": {"1": {"skew_steps_at": 1}}}, np=size)
     for rank in range(size):
-        section = report.split(f"----- rank {rank} -----", 1)[1].split("-----", 1)[0]
+        printed = section(report, rank)
         assert re.search(r"ValueError: ScaleCom: the index exchange of '[\w.]+' delivered 0 indices, not k = \d+: "
-                         r"the ranks disagree on this step's leader", section), section[-2000:]
+                         r"the ranks disagree on this step's leader", printed), printed[-2000:]
 
 
 def test_pipelined_indices_saved_for_another_step_are_refused_at_the_load(horovod_job):
@@ -148,13 +144,8 @@ def test_pipelined_indices_saved_for_another_step_are_refused_at_the_load(horovo
     exchange fresh indices for that step while rank 0 used the ones chosen ahead: rank 1 waited for
     indices that never came, warning about frozen parameters and warm-up (a hang without a timeout).
     The load refuses the state, naming the parameter and both steps, before it changes anything."""
-    from hvd_scalecom.launch import HorovodRunError
-    opts = {"steps": 4, "pipelined": True, "per_rank": {"1": {"skew_next_indices_at": 2}}}
-    with pytest.raises(HorovodRunError) as failure:
-        horovod_job("torch_scalecom.py", opts, np=2, timeout=120)
-    report = str(failure.value)
-    assert "timed out" not in report.split("\n", 1)[0]
-    rank1 = report.split("----- rank 1 -----", 1)[1]
+    report = failed_job(horovod_job, {"steps": 4, "pipelined": True, "per_rank": {"1": {"skew_next_indices_at": 2}}})
+    rank1 = section(report, 1)
     assert "ValueError: state next_indices of 'hidden.weight' are for step 3, but its step counter is 2" in rank1, \
         rank1[-2000:]
     assert "still waiting" not in report
@@ -166,13 +157,8 @@ def test_pipelined_indices_restored_on_some_ranks_only_end_with_the_timeout_s_er
     uses those chosen ahead, which no check between ranks can see. Without a timeout both wait for
     good; with one, rank 1's error names this cause, where it named only frozen parameters, hook orders,
     stopped ranks and warm-up."""
-    from hvd_scalecom.launch import HorovodRunError
     opts = {"steps": 4, "pipelined": True, "timeout": 8, "per_rank": {"1": {"drop_next_indices_at": 2}}}
-    with pytest.raises(HorovodRunError) as failure:
-        horovod_job("torch_scalecom.py", opts, np=2, timeout=120)
-    report = str(failure.value)
-    assert "timed out" not in report.split("\n", 1)[0]
-    rank1 = report.split("----- rank 1 -----", 1)[1]
+    rank1 = section(failed_job(horovod_job, opts), 1)
     assert "still waiting after 8 s for the leader's indices for 'out.weight'" in rank1, rank1[-2000:]
     assert "the ranks restored states of which only some held this parameter's next_indices" in rank1, rank1[-2000:]
 
@@ -181,13 +167,8 @@ def test_step_counters_on_either_side_of_warm_up_s_end_end_with_the_timeout_s_er
     """Rank 0 loads a state one step ahead at step 2 of a 3-step warm-up: it waits for the indices of
     step 3 while rank 1 reduces step 2 densely. Without a timeout both would wait for good (as the
     README says); with one, rank 0 raises naming warm-up, and the job ends."""
-    from hvd_scalecom.launch import HorovodRunError
     opts = {"steps": 5, "warmup_steps": 3, "timeout": 8, "per_rank": {"0": {"skew_steps_at": 2}}}
-    with pytest.raises(HorovodRunError) as failure:
-        horovod_job("torch_scalecom.py", opts, np=2, timeout=120)
-    report = str(failure.value)
-    assert "timed out" not in report.split("\n", 1)[0]
-    rank0 = report.split("----- rank 0 -----", 1)[1].split("----- rank 1 -----", 1)[0]
+    rank0 = section(failed_job(horovod_job, opts), 0)
     assert "still waiting after 8 s for the leader's indices" in rank0 and "still in warm-up" in rank0, rank0[-2000:]
 
 
