@@ -13,6 +13,8 @@ import json
 
 STEPS_HINT = ("(steps lists the parameters' distinct step counters, which choose the leaders: restore every "
               "rank from a state of the same step.)")
+DTYPES_HINT = ("(parameter_dtypes lists the dtypes of named_parameters: a model cast to another dtype on some "
+               "ranks only?)")
 
 
 def digest(value):

@@ -40,6 +40,13 @@ add_run("np2_second", "qsparse_different_models", "torch_seed_qsparse.py",
         {"operator": "top_k", "local_steps": 2, "ratio": 0.05, "min_numel": 600, "steps": 2,
          "skip_broadcast": True, "model_seed_offset": 1},
         ["test_ranks_starting_from_different_models_all_raise"], fails=True)
+# a model cast to float32 on one rank from the same bfloat16 values (a bfloat16 checkpoint): x_last is
+# fp32 on both and equal, so the ranks used to train on silently, rank 1 rounding to bfloat16
+BF16_ON_ONE_RANK = {"operator": "top_k", "local_steps": 2, "ratio": 0.05, "min_numel": 600, "steps": 4,
+                    "skip_broadcast": True, "bf16_values": True, "expect_refusal": True,
+                    "per_rank": {"1": {"dtype": "bfloat16"}}}
+add_run("np2_second", "qsparse_dtype_on_one_rank", "torch_seed_qsparse.py", BF16_ON_ONE_RANK,
+        ["test_ranks_whose_parameter_dtypes_differ_all_raise"])
 RETRY = {"operator": "top_k", "local_steps": 2, "ratio": 0.05, "min_numel": 600, "steps": 4,
          "skip_broadcast": True, "model_seed_offset": 1, "broadcast_after_refusal": True}
 add_run("np2_second", "qsparse_retry_after_broadcast", "torch_seed_qsparse.py", RETRY,
@@ -306,6 +313,17 @@ def test_ranks_starting_from_different_models_all_raise(request, tmp_path_factor
         assert "QsparseLocalSGD is configured differently on different ranks (shared_digest differ)" \
             in by_rank[rank]
         assert "hvd.broadcast_parameters(model.state_dict(), root_rank=0)" in by_rank[rank]
+
+
+def test_ranks_whose_parameter_dtypes_differ_all_raise(request, tmp_path_factory):
+    """Rank 0 in float32, rank 1 in bfloat16, from the same bfloat16 values: x_last (float32 on both) is
+    equal, and the ranks used to train on in different precisions, silently (their synchronised models
+    then differ by bfloat16's rounding). Every rank raises at the first step, naming the dtypes."""
+    results = completed(shared_job("np2_second", request, tmp_path_factory), "qsparse_dtype_on_one_rank", 2)
+    for r in results:
+        assert "QsparseLocalSGD is configured differently on different ranks (parameter_dtypes differ): " \
+               "rank 0: parameter_dtypes=['float32']; rank 1: parameter_dtypes=['bfloat16']" in str(r["refused"])
+        assert not any(key.startswith("local/") for key in r)
 
 
 def test_a_first_step_refused_for_different_models_succeeds_once_the_model_is_broadcast(request, tmp_path_factory):

@@ -125,6 +125,20 @@ add_run("np2_first", "sketched_loss_scaled", "torch_seed_sketched.py", SCALED,
 add_run("np2_first", "sketched_skewed_steps", "torch_seed_sketched.py",
         {**BASE, "warmup_steps": 2, "steps": 2, "skew_steps": {"1": 3}},
         ["test_ranks_resumed_from_states_of_different_steps_all_raise"])
+DISAGREEING = {  # part: per-rank options that only the configuration check can tell apart
+    # a model cast to bfloat16 on one rank: every rank sends fp32 (sketch, probes, dense), so the
+    # ranks trained on silently in different precisions (with float64: Horovod's "Mismatched data types")
+    "sketched_dtype_on_one_rank": {"0": {"dtype": "float32"}, "1": {"dtype": "bfloat16"}},
+    # a loss_scaler given on one rank only: its momentum and error followed the scale, the other's did not
+    "sketched_loss_scaler_on_one_rank": {"1": {"no_loss_scaler": True}},
+}
+for part, per_rank in DISAGREEING.items():
+    add_run("np2_second", part, "torch_seed_sketched.py",
+            {**BASE, "warmup_steps": 1, "steps": 2, "loss_scales": [1024, 512], "expect_refusal": True,
+             "per_rank": per_rank}, ["test_ranks_whose_dtypes_or_loss_scalers_differ_all_raise"])
+DIRECT = {**BASE, "warmup_steps": 1, "steps": 4, "direct_allreduce": True, "single_at": 3}
+add_run("np2_second", "sketched_direct", "torch_seed_sketched.py", DIRECT,
+        ["test_hvd_allreduce_called_directly_one_gradient_at_a_time_is_refused_and_changes_nothing"])
 add_run("np2_first", "sketched_disagreeing", "torch_seed_sketched.py",
         {**BASE, "steps": 2, "per_rank": {"1": {"rows": 5}}},
         ["test_ranks_configured_differently_all_raise"], fails=True)
@@ -393,6 +407,41 @@ def test_ranks_configured_differently_all_raise(request, tmp_path_factory):
         assert "rank 0: rows=3; rank 1: rows=5" in by_rank[rank]
 
 
+@pytest.mark.parametrize("part, differing, hint", [
+    ("sketched_dtype_on_one_rank", "parameter_dtypes", "rank 0: parameter_dtypes=['float32']; "
+                                                       "rank 1: parameter_dtypes=['bfloat16']"),
+    ("sketched_loss_scaler_on_one_rank", "loss_scaler", "rank 0: loss_scaler=True; rank 1: loss_scaler=False"),
+])
+def test_ranks_whose_dtypes_or_loss_scalers_differ_all_raise(part, differing, hint, request, tmp_path_factory):
+    """Both used to train on silently: a bfloat16 model on one rank sends fp32 like the others, and a rank
+    without the loss_scaler kept its momentum and error in the scale of the step they were made in.
+    Now every rank raises the same error at the first step, before anything changes."""
+    results = completed(shared_job("np2_second", request, tmp_path_factory), part, 2)
+    for r in results:
+        refused = str(r["refused"])
+        assert f"SketchedSGD is configured differently on different ranks ({differing} differ): {hint}" in refused
+        assert not any(key.startswith("applied/") for key in r)
+
+
+def test_hvd_allreduce_called_directly_one_gradient_at_a_time_is_refused_and_changes_nothing(request,
+                                                                                             tmp_path_factory):
+    """Without DistributedOptimizer: hvd.grouped_allreduce(gradients, compression=SketchedSGD) applies the
+    reference's update (a warm-up step, then two sketched ones). hvd.allreduce(p.grad, compression=...)
+    of one gradient at a time cannot work (a sketched tensor's update needs every sketched gradient):
+    every rank raises naming that cause, where the first sketched tensor's momentum, error and step
+    counter had moved on (every later step then failed out of lockstep) and the error blamed frozen
+    parameters; the state is as it was before the step."""
+    results = completed(shared_job("np2_second", request, tmp_path_factory), "sketched_direct", 2)
+    follow(reference(DIRECT, 2), results, 3)
+    check_identical_weights(results)
+    for r in results:
+        refused = str(r["refused"])
+        assert "'hidden.weight' was decompressed before the sketched tensors ['out.weight'] were compressed" in refused
+        assert "hvd.allreduce(p.grad, compression=SketchedSGD) of one gradient at a time cannot work" in refused
+        assert bool(r["state_unchanged"])
+        assert not any(key.startswith("applied/3/") for key in r)
+
+
 # -- in one process: bad input, state, the probe --------------------------------------------------------
 
 def small_model():
@@ -487,6 +536,17 @@ def test_load_state_dict_checks_before_changing_anything():
     with pytest.raises(ValueError, match="1.weight"):
         compression.load_state_dict(bad)
     assert compression.state_dict()["params"]["0.weight"]["step"] == 0  # untouched
+    # the sketched tensors move in lockstep: a state whose entries were saved at different steps failed
+    # at the next step, its error blaming frozen parameters, one tensor's momentum and step moved on
+    skewed = {"config": good["config"], "params": {k: dict(v) for k, v in good["params"].items()}}
+    skewed["params"]["1.weight"]["step"] = 4
+    with pytest.raises(ValueError, match=r"state steps of the sketched tensors differ, \{'0.weight': 3, "
+                                         r"'1.weight': 4\}"):
+        compression.load_state_dict(skewed)
+    assert compression.state_dict()["params"]["0.weight"]["step"] == 0  # untouched
+    skewed["params"]["1.weight"]["step"] = 3
+    skewed["params"]["1.bias"]["step"] = 5  # (a dense tensor's counter decides nothing the ranks share)
+    SketchedSGD(model.named_parameters(), ratio=0.1, min_numel=50).load_state_dict(skewed)
     with pytest.raises(ValueError, match="config"):
         SketchedSGD(model.named_parameters(), ratio=0.2, min_numel=50).load_state_dict(good)
     compression.load_state_dict(good)

@@ -47,7 +47,7 @@ import torch
 import horovod.torch as hvd
 from horovod.torch.compression import Compressor
 
-from hvd_scalecom.agreement import STEPS_HINT, dtype_names, shapes_digest
+from hvd_scalecom.agreement import DTYPES_HINT, STEPS_HINT, dtype_names, shapes_digest
 from hvd_scalecom.config import HOROVOD_VALUE_DTYPES, INDEX_DTYPES, ScaleComConfig, check_dtype_name, is_real
 from hvd_scalecom.state import check_loss_scale, check_next_indices, checked_params
 from hvd_scalecom.torch import clt_k
@@ -424,8 +424,7 @@ class ScaleCom(Compressor):
         check_agreement("ScaleCom", summary, self._process_set,
                         {"parameter_digest": "(parameter_digest covers the names and shapes of "
                                              "named_parameters.)",
-                         "parameter_dtypes": "(parameter_dtypes lists the dtypes of named_parameters: "
-                                             "a model cast to another dtype on some ranks only?)",
+                         "parameter_dtypes": DTYPES_HINT,
                          "loss_scaler": "(a loss_scaler given on some ranks only: the others' residue "
                                         "memories would not follow the loss scale.)",
                          "steps": STEPS_HINT}, stall=stall_times())  # (timeout= is for indices)

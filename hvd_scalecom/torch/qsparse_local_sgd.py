@@ -42,7 +42,7 @@ from collections import OrderedDict
 import torch
 import horovod.torch as hvd
 
-from hvd_scalecom.agreement import shapes_digest
+from hvd_scalecom.agreement import DTYPES_HINT, dtype_names, shapes_digest
 from hvd_scalecom.baseline_config import QsparseConfig
 from hvd_scalecom.torch import clt_k
 from hvd_scalecom.config import check_int
@@ -284,9 +284,11 @@ class QsparseLocalSGD(torch.optim.Optimizer):
         shapes = [(n, p.shape) for n, p in zip(self._names, self._params)]
         summary = {"scheme": "QsparseLocalSGD", **self.config.as_dict(), "step": self._step,
                    "parameters": len(self._names), "parameter_digest": shapes_digest(shapes),
+                   "parameter_dtypes": dtype_names(p.dtype for p in self._params),
                    "shared_digest": tensors_digest(shared)}
         check_agreement("QsparseLocalSGD", summary, self._process_set, {
             "parameter_digest": "(parameter_digest covers the names and shapes of named_parameters.)",
+            "parameter_dtypes": DTYPES_HINT,
             "shared_digest": "The model differs across ranks at the start of local SGD (shared_digest "
                              "covers the values of the parameters): broadcast it first, "
                              "hvd.broadcast_parameters(model.state_dict(), root_rank=0), or restore "

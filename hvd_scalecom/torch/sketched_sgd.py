@@ -6,10 +6,12 @@ matrices and higher-order tensors with ``numel >= min_numel``, in ``named_parame
 vector, sketched as one ``r x c`` count sketch; the equations are those of
 :mod:`hvd_scalecom.torch.sketched_steps`. Per step, on every rank:
 
-1. ``compress(g)`` of a sketched tensor: ``u <- rho u + g``, ``v <- v + u`` on its slice, and it
-   returns a one-entry *scale probe* (``1``) that Horovod reduces with the optimizer's own op, pre- and
-   postscale factors. The compress that completes the step's set of sketched tensors sketches ``v``
-   and posts round 1 itself: ``allreduce.sketched_sgd.sketch``, a Sum of the ``r x c`` tables.
+1. ``compress(g)`` of a sketched tensor returns a one-entry *scale probe* (``1``) that Horovod reduces
+   with the optimizer's own op, pre- and postscale factors. The compress that completes the step's
+   set of sketched tensors takes in every one's gradient, ``u <- rho u + g``, ``v <- v + u`` on its
+   slice (not before: a step whose set never completes, e.g. ``hvd.allreduce`` called on one gradient
+   at a time, leaves u and v as they were), sketches ``v`` and posts round 1 itself:
+   ``allreduce.sketched_sgd.sketch``, a Sum of the ``r x c`` tables.
 2. Vectors and small tensors: ``u <- rho u + g``; ``compress`` returns ``u``, averaged by Horovod.
 3. ``decompress`` of the step's first sketched tensor waits for round 1, takes the ``P k`` candidates
    of largest estimated ``|sum v|`` (identical on every rank, so no index travels), posts and waits for
@@ -41,7 +43,7 @@ import torch
 import horovod.torch as hvd
 from horovod.torch.compression import Compressor
 
-from hvd_scalecom.agreement import shapes_digest
+from hvd_scalecom.agreement import DTYPES_HINT, dtype_names, shapes_digest
 from hvd_scalecom.baseline_config import SketchedSGDConfig
 from hvd_scalecom.state import check_loss_scale, checked_params
 from hvd_scalecom.torch import clt_k
@@ -60,14 +62,16 @@ CANDIDATES_NAME = "sketched_sgd.candidates"
 
 
 class _Round:
-    """The sketched part of one step on this rank: which tensors were compressed, the round-1 table
-    in flight, and (after round 2) the update."""
+    """The sketched part of one step on this rank: which tensors were compressed (and, until the
+    step's last one is, their gradients: u and v take them in all at once, so that a step that never
+    completes leaves them as they were), the round-1 table in flight, and (after round 2) the update."""
 
-    __slots__ = ("t", "compressed", "decompressed", "table", "handle", "update")
+    __slots__ = ("t", "compressed", "pending", "decompressed", "table", "handle", "update")
 
     def __init__(self, t):
         self.t = t
         self.compressed = set()
+        self.pending = []
         self.decompressed = 0
         self.table = None
         self.handle = None
@@ -165,13 +169,16 @@ class SketchedSGD(Compressor):
                                 compress_seconds=time.perf_counter() - start)
             return sent.view(tensor.shape), ctx  # (bf16: cast back in decompress)
 
-        part = slice(self._offset[i], self._offset[i] + tensor.numel())
         self._buffers(tensor)
-        accumulate_(self._u[part], self._v[part], tensor, self.config.momentum)  # u, v on this slice
         r.compressed.add(i)
+        r.pending.append((i, tensor))  # (Horovod reduces the probe: the gradient stays as it is until decompress)
         probe = torch.ones(1, dtype=wire_dtype(tensor.dtype), device=tensor.device)
         value_bytes = probe.element_size()
         if len(r.compressed) == len(self._sketched):  # the step's last sketched tensor: round 1
+            for j, grad in r.pending:  # u, v on each slice
+                part = slice(self._offset[j], self._offset[j] + grad.numel())
+                accumulate_(self._u[part], self._v[part], grad, self.config.momentum)
+            r.pending = None
             r.table = self._sketch.sketch(self._v)
             r.handle = hvd.allreduce_async_(r.table, name=SKETCH_NAME, op=hvd.Sum, **self._ps_kwargs())
             value_bytes += r.table.numel() * self._v.element_size()  # (round 2's candidates: once sent)
@@ -190,7 +197,7 @@ class SketchedSGD(Compressor):
         if r is None or r.t != t or i not in r.compressed:
             raise RuntimeError(f"SketchedSGD: decompress of {self._names[i]!r} (step {t}) without its "
                                f"compress in the current step")
-        waited = self._second_round(r) if r.update is None else 0.0
+        waited = self._second_round(r, i) if r.update is None else 0.0
         begin = self._offset[i]
         part = r.update[begin:begin + shape.numel()]
         scale = float(tensor.reshape(-1)[0])  # the reduced probe: 1 for Average, n for Sum
@@ -291,6 +298,11 @@ class SketchedSGD(Compressor):
             entry = params[name]
             if i in self._offset and (entry.get("momentum") is None) != (entry.get("error") is None):
                 raise ValueError(f"state of {name!r} has momentum or error but not both")
+        sketched_steps = {self._names[i]: int(params[self._names[i]]["step"]) for i in self._sketched}
+        if len(set(sketched_steps.values())) > 1:  # (they move in lockstep: one sketch a step)
+            raise ValueError(f"state steps of the sketched tensors differ, {sketched_steps}: they are reduced "
+                             f"together every step, so a state saves one step for all of them (were "
+                             f"entries taken from states of different steps?)")
         self._steps = [int(params[name]["step"]) for name in self._names]
         # every tensor as the first step makes it: fp32 at least, on the parameter's device
         self._dense_u = {i: as_memory_of(params[n]["momentum"], self._params[i]) for i, n in enumerate(self._names)
@@ -313,10 +325,15 @@ class SketchedSGD(Compressor):
         shapes = [(n, p.shape) for n, p in zip(self._names, self._params)]
         summary = {"scheme": "SketchedSGD", **self.config.as_dict(), "parameters": len(self._names),
                    "parameter_digest": shapes_digest(shapes), "steps": sorted(set(self._steps)),
-                   "sketched_digest": shapes_digest([shapes[i] for i in self._sketched])}
+                   "sketched_digest": shapes_digest([shapes[i] for i in self._sketched]),
+                   "parameter_dtypes": dtype_names(p.dtype for p in self._params),
+                   "loss_scaler": self._loss_scaler is not None}
         check_agreement("SketchedSGD", summary, self._process_set,
                         {"parameter_digest": "(parameter_digest covers the names and shapes of "
                                              "named_parameters.)",
+                         "parameter_dtypes": DTYPES_HINT,
+                         "loss_scaler": "(a loss_scaler given on some ranks only: the others' momentum and "
+                                        "error accumulation would not follow the loss scale.)",
                          "sketched_digest": "(sketched_digest covers which parameters are sketched: "
                                             "freeze the same parameters on every rank before building "
                                             "SketchedSGD.)",
@@ -369,18 +386,25 @@ class SketchedSGD(Compressor):
             r = self._round = _Round(t)
         return r
 
-    def _second_round(self, r):
+    def _second_round(self, r, i):
         """Round 1's result, the candidates, round 2, and the step's update; zeroes u and v at I (a
         non-finite reduced sketch skips round 2 on every rank: :func:`sketched_steps.skip_nonfinite_`).
-        Returns the seconds spent waiting for the two allreduces."""
-        if r.handle is None:
+        Returns the seconds spent waiting for the two allreduces. ``i``: the tensor decompressed."""
+        if r.handle is None:  # u and v have not taken in this step's gradients: the step never happened
             missing = [self._names[j] for j in self._sketched if j not in r.compressed]
+            for j in r.compressed:
+                self._steps[j] = r.t
             self._round = None
             raise RuntimeError(
-                f"SketchedSGD: Horovod did not reduce the sketched tensors {missing} in this step, so "
-                f"the step's sketch is incomplete. Pass only the parameters the optimizer reduces every "
-                f"step (parameters frozen after SketchedSGD was built but before the optimizer, or sparse "
-                f"gradients without sparse_as_dense=True, are not: freeze parameters before building both).")
+                f"SketchedSGD: {self._names[i]!r} was decompressed before the sketched tensors {missing} "
+                f"were compressed in this step, so the step's sketch is incomplete (the sketched tensors' "
+                f"momentum, error accumulation and step counters are left as they were before it). Every "
+                f"sketched tensor's update needs all of them: hvd.allreduce(p.grad, compression=SketchedSGD) "
+                f"of one gradient at a time cannot work (reduce them all in one hvd.grouped_allreduce, or "
+                f"through hvd.DistributedOptimizer). Under hvd.DistributedOptimizer, pass only the "
+                f"parameters the optimizer reduces every step (parameters frozen after SketchedSGD was "
+                f"built but before the optimizer, or sparse gradients without sparse_as_dense=True, are "
+                f"not: freeze parameters before building both).")
         wait_from = time.perf_counter()
         hvd.synchronize(r.handle)                                                # S = sum_i S(v_i)
         waited = time.perf_counter() - wait_from

@@ -7,7 +7,10 @@ argv: JSON options, output directory. Writes ``rank<R>.npz`` with, per step t an
 with ``nan_at`` (``[step, rank, name]`` triples), entry 7 of that rank's gradient of ``name`` is NaN at that
 step, and ``memory/<t>/<name>`` holds the error memories after every step (absent: none yet); with
 ``broadcast_after_refusal`` a refused first step is recorded (``refused``), the model broadcast from
-rank 0 as the error advises, and the step taken again on new gradients.
+rank 0 as the error advises, and the step taken again on new gradients; with ``expect_refusal`` a
+ValueError of a step is recorded (``refused``) and the run stops. ``per_rank`` (``{rank: options}``)
+applies to every option (``dtype`` too); ``bf16_values``: the model's values rounded to bfloat16 on every
+rank (as from a bfloat16 checkpoint), then cast to ``dtype``.
 """
 
 import copy
@@ -40,7 +43,10 @@ class Net(torch.nn.Module):
 
 
 torch.manual_seed(opts.get("model_seed_offset", 0) * rank)  # offset: ranks start from different models
-model = Net().to(getattr(torch, opts.get("dtype", "float32")))
+model = Net()
+if opts.get("bf16_values"):
+    model = model.to(torch.bfloat16)
+model = model.to(getattr(torch, opts.get("dtype", "float32")))
 named = list(model.named_parameters())
 params = [p for _, p in named]
 local = torch.optim.SGD(model.parameters(), lr=0.1, momentum=opts.get("momentum", 0.0))
@@ -105,6 +111,9 @@ for t in range(first_step, first_step + opts.get("steps", 6)):
         try:
             optimizer.step()
         except ValueError as err:
+            if opts.get("expect_refusal"):
+                record["refused"] = np.array(str(err))
+                break
             if not opts.get("broadcast_after_refusal") or "refused" in record:
                 raise
             record["refused"] = np.array(str(err))

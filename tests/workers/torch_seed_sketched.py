@@ -8,6 +8,12 @@ argv: JSON options, output directory. Writes ``rank<R>.npz`` with, per step t an
 first step; with ``loss_scales`` (one per step) the loss is scaled, ``loss_scaler=`` follows it, and the
 reduced gradients are divided by it before the step (``applied``: unscaled); with ``frozen`` (a name)
 that parameter is frozen before SketchedSGD and the optimizer are built (no ``applied`` entries).
+``per_rank`` (``{rank: options}``) applies to every option (``dtype`` too; ``no_loss_scaler``: the loss
+scale schedule without SketchedSGD's ``loss_scaler``); with ``expect_refusal`` a ValueError of the first
+backward pass is recorded (``refused``) and the run stops. ``direct_allreduce``: no
+hvd.DistributedOptimizer, the gradients reduced by ``hvd.grouped_allreduce(..., compression=...)``, and
+from step ``single_at`` on by one ``hvd.allreduce(p.grad, compression=...)`` each: its error is recorded
+(``refused``), with whether SketchedSGD's state is as before the step (``state_unchanged``).
 """
 
 import json
@@ -64,11 +70,13 @@ scaler = StepScale() if opts.get("loss_scales") else None
 compression = SketchedSGD(model.named_parameters(), ratio=opts.get("ratio", 0.02), rows=opts.get("rows", 3),
                           columns=opts.get("columns", 400), candidates=opts.get("candidates", 2),
                           momentum=opts.get("momentum", 0.9), warmup_steps=opts.get("warmup_steps", 0),
-                          min_numel=opts.get("min_numel", 600), seed=opts.get("seed", 0), loss_scaler=scaler)
+                          min_numel=opts.get("min_numel", 600), seed=opts.get("seed", 0),
+                          loss_scaler=None if opts.get("no_loss_scaler") else scaler)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=opts.get("optimizer_momentum", 0.0))
 compression.check_optimizer(optimizer)
 passes = opts.get("backward_passes_per_step", 1)
-optimizer = hvd.DistributedOptimizer(
+direct = opts.get("direct_allreduce")
+optimizer = optimizer if direct else hvd.DistributedOptimizer(
     optimizer, named_parameters=model.named_parameters(), compression=compression,
     backward_passes_per_step=passes,
     groups=[[model.hidden.weight, model.out.weight]] if opts.get("groups") else None,
@@ -89,6 +97,17 @@ if str(rank) in opts.get("skew_steps", {}):  # this rank alone resumes from a st
     for entry in skewed["params"].values():
         entry["step"] = opts["skew_steps"][str(rank)]
     compression.load_state_dict(skewed)
+
+
+def same_state(a, b):
+    """Whether two SketchedSGD states (state_dict()) are equal, tensors included."""
+    def equal(x, y):
+        return (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+    return a["scale"] == b["scale"] and all(
+        a["params"][n]["step"] == b["params"][n]["step"] and all(equal(a["params"][n].get(key), b["params"][n].get(key))
+                                                                 for key in ("momentum", "error"))
+        for n in a["params"])
+
 
 nan_at = {(t, r): name for t, r, name in opts.get("nan_at", [])}  # (step, rank): entry 7 of name is NaN
 
@@ -123,7 +142,7 @@ for t in range(first_step, first_step + opts.get("steps", 6)):
         try:
             (loss_fn() * (1.0 if scaler is None else scaler.scale)).backward()
         except ValueError as err:
-            if not opts.get("skew_steps"):
+            if not (opts.get("skew_steps") or opts.get("expect_refusal")):
                 raise
             record["refused"] = np.array(str(err))
             break
@@ -131,7 +150,22 @@ for t in range(first_step, first_step + opts.get("steps", 6)):
         break
     if poison is not None:
         poison.remove()
-    if scaler is not None:  # as GradScaler.unscale_ before its step
+    if direct and t >= opts.get("single_at", float("inf")):  # one gradient at a time
+        before = compression.state_dict()
+        try:
+            for name, p in named:
+                p.grad.copy_(hvd.allreduce(p.grad, name=f"direct.{name}", compression=compression))
+        except RuntimeError as err:
+            record["refused"] = np.array(str(err))
+            record["state_unchanged"] = np.array(same_state(before, compression.state_dict()))
+            break
+        optimizer.step()
+    elif direct:  # every gradient in one grouped allreduce
+        reduced = hvd.grouped_allreduce([p.grad for p in params], name="direct", compression=compression)
+        for p, g in zip(params, reduced):
+            p.grad.copy_(g)
+        optimizer.step()
+    elif scaler is not None:  # as GradScaler.unscale_ before its step
         optimizer.synchronize()
         for p in params:
             p.grad.div_(scaler.scale)
