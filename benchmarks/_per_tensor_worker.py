@@ -5,9 +5,9 @@ a model of many same-sized parameters under each compression, and ScaleCom's own
 
 For each size, every compression gets a model of its own (``--tensors`` parameters of that many
 entries; the loss ``sum_i (w_i * x_i).sum()`` makes each gradient ``x_i``, drawn afresh from a pool
-of three) and its own ``hvd.DistributedOptimizer``. A step is ``zero_grad``, ``backward`` (the
-gradient hooks, where the compressor runs) and ``synchronize``, timed on every rank after a barrier;
-the step time is the slowest rank's. ScaleCom's ``stats(step)`` give its compute (``compress`` and
+of three) and its own ``hvd.DistributedOptimizer``; the compressions take turns step by step. A step
+is ``zero_grad``, ``backward`` (the gradient hooks, where the compressor runs) and ``synchronize``,
+timed on every rank after a barrier; the step time is the slowest rank's. ScaleCom's ``stats(step)`` give its compute (``compress`` and
 ``decompress``, index waits excluded) and its waits for the leader's indices, split by whether the
 rank led the step (with the cyclic leader every tensor of step t has the leader t mod size). Rank
 0 writes ``RESULT.json``.
@@ -40,31 +40,48 @@ def compression_for(scheme, named, ratio):
                     index_exchange="broadcast" if scheme.endswith("broadcast") else "allgather")
 
 
-def time_scheme(scheme, numel, tensors, pool, args):
-    """Per step: the slowest rank's seconds, and (ScaleCom) this rank's stats of the step."""
+def build(scheme, index, numel, tensors, ratio):
+    """One model of ``tensors`` parameters of ``numel`` entries, its compression and its optimizer."""
     params = [torch.nn.Parameter(torch.zeros(numel)) for _ in range(tensors)]
-    named = [(f"w{i}", p) for i, p in enumerate(params)]
-    compression = compression_for(scheme, named, args.ratio)
+    named = [(f"s{index}.w{i}", p) for i, p in enumerate(params)]
+    compression = compression_for(scheme, named, ratio)
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.0), named_parameters=named,
                                          compression=compression)
-    seconds, stats = [], []
+    return params, compression, optimizer
+
+
+def time_step(params, optimizer, inputs):
+    """The slowest rank's seconds for one backward pass and ``synchronize()``."""
+    optimizer.zero_grad()
+    hvd.allreduce(torch.zeros(1), name="per_tensor.barrier")
+    start = time.perf_counter()
+    loss = sum((w * x).sum() for w, x in zip(params, inputs))
+    loss.backward()
+    optimizer.synchronize()
+    elapsed = time.perf_counter() - start
+    with optimizer.skip_synchronize():
+        optimizer.step()
+    return float(hvd.allreduce(torch.tensor([elapsed], dtype=torch.float64), op=hvd.Max,
+                               name="per_tensor.elapsed"))
+
+
+def time_schemes(numel, tensors, pool, args):
+    """Per scheme: the slowest rank's seconds per step, and (ScaleCom) this rank's stats of each step.
+    The schemes take turns step by step, in an order that rotates, so that a slow spell of the shared
+    machine falls on all of them alike."""
+    models = [build(scheme, i, numel, tensors, args.ratio) for i, scheme in enumerate(SCHEMES)]
+    seconds = {scheme: [] for scheme in SCHEMES}
+    stats = {scheme: [] for scheme in SCHEMES}
     for step in range(args.warmup + args.steps):
         inputs = pool[step % len(pool)]
-        optimizer.zero_grad()
-        hvd.allreduce(torch.zeros(1), name="per_tensor.barrier")
-        start = time.perf_counter()
-        loss = sum((w * x).sum() for w, x in zip(params, inputs))
-        loss.backward()
-        optimizer.synchronize()
-        elapsed = time.perf_counter() - start
-        with optimizer.skip_synchronize():
-            optimizer.step()
-        slowest = hvd.allreduce(torch.tensor([elapsed], dtype=torch.float64), op=hvd.Max,
-                                name="per_tensor.elapsed")
-        if step >= args.warmup:
-            seconds.append(float(slowest))
-            if isinstance(compression, ScaleCom):
-                stats.append({"led": step % hvd.size() == hvd.rank(), **compression.stats(step)})
+        for turn in range(len(SCHEMES)):
+            i = (step + turn) % len(SCHEMES)
+            params, compression, optimizer = models[i]
+            elapsed = time_step(params, optimizer, inputs)
+            if step >= args.warmup:
+                seconds[SCHEMES[i]].append(elapsed)
+                if isinstance(compression, ScaleCom):
+                    stats[SCHEMES[i]].append({"led": step % hvd.size() == hvd.rank(), **compression.stats(step)})
     return seconds, stats
 
 
@@ -83,9 +100,9 @@ def main(argv=None):
     rows = []
     for numel, tensors in zip(args.sizes, args.tensors):
         pool = [[torch.randn(numel, generator=gen) for _ in range(tensors)] for _ in range(3)]
+        seconds, stats = time_schemes(numel, tensors, pool, args)
         for scheme in SCHEMES:
-            seconds, stats = time_scheme(scheme, numel, tensors, pool, args)
-            gathered = hvd.allgather_object(stats)
+            gathered = hvd.allgather_object(stats[scheme])
             per_role = {}
             for role, led in (("leader", True), ("non-leader", False)):
                 mine = [s for rank_stats in gathered for s in rank_stats if s["led"] is led]
@@ -94,7 +111,7 @@ def main(argv=None):
                         "compute_us": statistics.median(1e6 * s["compress_seconds"] / s["tensors"] for s in mine),
                         "wait_us": statistics.median(1e6 * s["index_wait_seconds"] / s["tensors"] for s in mine)}
             rows.append({"numel": numel, "tensors": tensors, "scheme": scheme,
-                         "step_ms": 1e3 * statistics.median(seconds), "per_tensor": per_role})
+                         "step_ms": 1e3 * statistics.median(seconds[scheme]), "per_tensor": per_role})
     if hvd.rank() == 0:
         with open(args.result, "w") as f:
             json.dump({"size": hvd.size(), "rows": rows}, f)

@@ -7,7 +7,7 @@ and writes its section of docs/performance.md.
 A ``horovodrun -np 2`` job (Gloo, one thread per worker, no shaped link) times the backward pass and
 ``synchronize()`` of models of ``--tensors`` parameters of each size under dense, Horovod's fp16,
 ScaleCom (its indices shared by an allgather, the default, or by a broadcast) and pipelined ScaleCom
-(``benchmarks/_per_tensor_worker.py``), side by side in one job, and reads ScaleCom's compute
+(``benchmarks/_per_tensor_worker.py``), side by side in one job (taking turns step by step), and reads ScaleCom's compute
 per tensor from its ``stats()``. Then, in this process, ``benchmarks.kernels`` times the ``clt_k``
 calls a leader and a non-leader make for one tensor of each size (warm, in a loop: what the
 compressor costs before its bookkeeping and Horovod's collectives) and the floor, ``m.add_(g)``.
@@ -22,7 +22,7 @@ import tempfile
 import torch
 
 from benchmarks import kernels
-from benchmarks._report import command_line, output_path, replace_section
+from benchmarks._report import command_line, cpu, output_path, replace_section
 from hvd_scalecom.launch import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,9 +47,10 @@ def markdown(result, command):
         "## Per-tensor cost: many small tensors",
         "",
         f"Made by `{command}`: one `horovodrun -np {result['size']}` job (Gloo, one thread per worker, "
-        f"loopback), ratio {result['ratio']}, {result['steps']} timed steps after {result['warmup']}.",
+        f"loopback, a {os.cpu_count()}-core {cpu()}), ratio {result['ratio']}, {result['steps']} timed steps after {result['warmup']}.",
         "A step is the backward pass and `synchronize()` of a model of that many parameters of that",
-        "size (each gradient a fixed random tensor), the slowest rank's time, median over the steps.",
+        "size (each gradient a fixed random tensor), the slowest rank's time, median over the steps;",
+        "the compressions take turns step by step, in a rotating order.",
         "*ScaleCom* shares the leader's indices by an allgather (the default), *ScaleCom, broadcast* by",
         "a broadcast from the leader (`index_exchange=\"broadcast\"`); in brackets the ratio to dense.",
         "*Compute per tensor*: ScaleCom's `compress` and `decompress` (from `stats()`, the waits for",
