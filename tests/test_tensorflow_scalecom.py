@@ -221,6 +221,19 @@ def test_allgather_exchange_matches_reference(horovod_job, mode, ranks, pipeline
     assert stats["index_bytes"] == 4 * (154 + 32) and stats["value_bytes"] == 4 * (154 + 32)
 
 
+@pytest.mark.parametrize("mode, ranks, exchange", [("function", 3, "broadcast"), ("eager", 2, "allgather")])
+def test_mpi_controller_matches_reference(horovod_job, mode, ranks, exchange):
+    """Under MPI (horovodrun --mpi, Open MPI carrying the collectives) as under Gloo: broadcasts from
+    every root in turn in a tf.function, the leader-only allgather in eager steps."""
+    opts = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 5, "mode": mode,
+            "index_exchange": exchange}
+    results, _ = horovod_job("tf_scalecom.py", opts, np=ranks, controller="mpi")
+    assert len(results) == ranks and not any(bool(r["gloo"]) for r in results)
+    applied, _ = check_against_reference(results, opts, steps=5)
+    check_identical_weights(results)
+    assert [density(applied[t], "hidden.weight") == 1.0 for t in range(5)] == [True] + [False] * 4
+
+
 def test_horovods_optimizer_wrapper_around_a_compat_v1_optimizer_matches_reference(horovod_job):
     """hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer, compression=ScaleCom)
     (around a Keras 3 optimizer it reduces nothing: the README says so)."""

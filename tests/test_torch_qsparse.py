@@ -30,6 +30,9 @@ SIGN_OPTS = {"operator": "sign_top_k", "local_steps": 2, "ratio": 0.05, "max_k":
              "momentum": 0.9, "index_dtype": "int64"}
 add_run("np3", "qsparse_qsgd", "torch_seed_qsparse.py", QSGD_OPTS,
         ["test_qsgd_three_ranks_match_the_simulator_and_the_timeline"])
+UNDER_MPI = {"operator": "top_k", "local_steps": 2, "ratio": 0.05, "min_numel": 600, "steps": 4}
+add_run("np3_mpi", "qsparse_mpi", "torch_seed_qsparse.py", UNDER_MPI,
+        ["test_qsparse_under_mpi_matches_the_simulator"])
 add_run("np2_first", "qsparse_sign_first", "torch_seed_qsparse.py",
         {**SIGN_OPTS, "steps": 5, "checkpoint": True}, ["test_sign_momentum_int64_and_checkpoint_round_trip"])
 add_run("np2_second", "qsparse_sign_second", "torch_seed_qsparse.py",
@@ -196,6 +199,17 @@ def test_qsgd_three_ranks_match_the_simulator_and_the_timeline(request, tmp_path
             else:
                 assert stats["sent_bytes"] == 0 and stats["tensors"] == 0
         assert json.loads(str(r["stats"]))["step"] == 5
+
+
+def test_qsparse_under_mpi_matches_the_simulator(request, tmp_path_factory):
+    """np=3 under MPI (horovodrun --mpi, Open MPI carrying the payload allgather) as under Gloo:
+    TopK, H = 2, two synchronisations."""
+    results = completed(shared_job("np3_mpi", request, tmp_path_factory), "qsparse_mpi", 3)
+    assert not any(bool(r["gloo"]) for r in results)
+    replay(simulator(UNDER_MPI, 3), results, UNDER_MPI["steps"])
+    follow(reference(UNDER_MPI, 3), results, UNDER_MPI["steps"])
+    for t in (1, 3):
+        check_synchronised(results, t)
 
 
 def test_sign_momentum_int64_and_checkpoint_round_trip(request, tmp_path_factory):

@@ -159,6 +159,24 @@ def test_horovod_moves_k_values_and_k_indices(horovod_job, tmp_path, exchange):
 
 
 @pytest.mark.parametrize("np_, extra", [
+    (2, {"warmup_steps": 1}),
+    (3, {"index_exchange": "broadcast", "pipelined": True, "warmup_steps": 2, "advance_min_numel": 0}),
+    (3, {"leader": "staggered", "value_dtype": "float16", "groups": 2})])
+def test_mpi_controller_matches_reference(horovod_job, np_, extra):
+    """Under MPI (horovodrun --mpi, Open MPI carrying the collectives) as under Gloo: the index
+    allgather to which only the leader contributes, broadcasts from every rank in turn, pipelined
+    indices, grouped reductions."""
+    opts = {"ratio": 0.05, "beta": 0.5, "min_numel": 600, "steps": 6, **extra}
+    results, _ = horovod_job("torch_scalecom.py", opts, np=np_, controller="mpi")
+    assert len(results) == np_ and not any(bool(r["gloo"]) for r in results)
+    fp16 = extra.get("value_dtype") == "float16"
+    applied = check_against_reference(results, opts, steps=6, **(
+        {"rtol": 2e-3, "atol": 2e-4, "value_dtype": np.float16} if fp16 else {}))
+    check_identical_weights(results)
+    assert sparsity(applied[5], "hidden.weight") == pytest.approx(0.05, abs=0.002)
+
+
+@pytest.mark.parametrize("np_, extra", [
     (3, {}),
     (2, {"pipelined": True, "warmup_steps": 2, "no_out_weight_grad_on_rank": 1, "advance_min_numel": 0}),
     (3, {"leader": "staggered", "selection": "threshold", "advance_min_numel": 0})])

@@ -44,7 +44,8 @@ SEQUENCE = ("import json, runpy, sys\n"
             "    runpy.run_path(script, run_name='__main__')\n"
             "import horovod.torch as hvd\n"
             "hvd.stop_timeline()  # every queued event written (Horovod drops them at shutdown)\n")
-JOBS = {"np3": 3, "np2_first": 2, "np2_second": 2, "np2_reload": 2, "np2_reload_dense": 2, "np1": 1}  # job: ranks; np2_second resumes np2_first's checkpoints
+JOBS = {"np3": 3, "np2_first": 2, "np2_second": 2, "np2_reload": 2, "np2_reload_dense": 2, "np1": 1,
+        "np3_mpi": 3}  # job: ranks; np2_second resumes np2_first's checkpoints; *_mpi run under --mpi
 _RUNS = {job: [] for job in JOBS}
 _DONE = {}
 
@@ -77,7 +78,8 @@ def shared_job(job, request, tmp_path_factory):
         timeline = root / f"{job}_timeline.json"
         error = None
         try:
-            run(["-c", SEQUENCE, json.dumps(argv)], np=JOBS[job], env={"HOROVOD_TIMELINE": str(timeline)})
+            run(["-c", SEQUENCE, json.dumps(argv)], np=JOBS[job], env={"HOROVOD_TIMELINE": str(timeline)},
+                controller="mpi" if job.endswith("_mpi") else "gloo")
         except HorovodRunError as e:
             error = e
         results = {}
@@ -102,6 +104,9 @@ def completed(job, part, size):
 THREE_RANKS = {**BASE, "warmup_steps": 1, "steps": 5, "no_out_weight_grad_on_rank": 1}
 add_run("np3", "sketched_three_ranks", "torch_seed_sketched.py", THREE_RANKS,
         ["test_three_ranks_match_the_simulator_and_move_the_sketch"])
+UNDER_MPI = {**BASE, "warmup_steps": 1, "steps": 4}
+add_run("np3_mpi", "sketched_mpi", "torch_seed_sketched.py", UNDER_MPI,
+        ["test_sketched_sgd_under_mpi_matches_the_simulator"])
 add_run("np2_first", "sketched_sum_first", "torch_seed_sketched.py",
         {**SUM_OPTS, "steps": 4, "checkpoint": True},
         ["test_sum_op_groups_accumulation_and_checkpoint_round_trip"])
@@ -295,6 +300,18 @@ def test_three_ranks_match_the_simulator_and_move_the_sketch(request, tmp_path_f
                              if op["op"] == "allreduce" and op["name"] != "allreduce.worker.done")
         assert total["sent_bytes"] == timeline_bytes == (steps - warmup) * (sketched_step + dense_step) \
             + warmup * 4 * 3786
+
+
+def test_sketched_sgd_under_mpi_matches_the_simulator(request, tmp_path_factory):
+    """np=3 under MPI (horovodrun --mpi, Open MPI carrying the collectives) as under Gloo: a dense
+    warm-up step, then the sketch, the candidates and the probes."""
+    results = completed(shared_job("np3_mpi", request, tmp_path_factory), "sketched_mpi", 3)
+    assert not any(bool(r["gloo"]) for r in results)
+    updates = replay(simulator(UNDER_MPI, 3), results, UNDER_MPI["steps"])
+    follow(reference(UNDER_MPI, 3), results, UNDER_MPI["steps"])
+    check_identical_weights(results)
+    assert np.count_nonzero(updates[3]["hidden.weight"].numpy()) + \
+        np.count_nonzero(updates[3]["out.weight"].numpy()) == K
 
 
 def test_sum_op_groups_accumulation_and_checkpoint_round_trip(request, tmp_path_factory):

@@ -197,6 +197,7 @@ if member and opts.get("state_round_trip"):
 if writer is not None:
     writer.flush()
 if member:
+    record["gloo"] = np.array(hvd.gloo_enabled())  # (the controller the job runs under: --gloo or --mpi)
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **record)
 hvd.allreduce(tf.constant(0.0), name="worker_done")  # nobody shuts Horovod down while others train
 hvd.stop_timeline()  # writes every queued timeline event (Horovod drops them at shutdown)

@@ -322,6 +322,7 @@ if late:
 record["traded"] = np.array(traded[0])
 record["native"] = np.array(native.library() is not None)  # which path the job's passes could take
 record["non_contiguous"] = np.array(non_contiguous[0])
+record["gloo"] = np.array(hvd.gloo_enabled())  # (the controller the job runs under: --gloo or --mpi)
 np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **record)
 if opts.get("checkpoint"):
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),

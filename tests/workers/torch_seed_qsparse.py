@@ -134,6 +134,7 @@ for name, p in named:
     record[f"final/{name}"] = as_numpy(p)
 record["stats"] = np.array(json.dumps(optimizer.stats()))
 record["param_dtype"] = np.array(str(params[0].dtype))
+record["gloo"] = np.array(hvd.gloo_enabled())  # (the controller the job runs under: --gloo or --mpi)
 np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **record)
 if opts.get("checkpoint"):
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},

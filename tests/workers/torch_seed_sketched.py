@@ -189,6 +189,7 @@ for t in range(first_step, first_step + opts.get("steps", 6)):
 for name, p in named:
     record[f"final/{name}"] = p.detach().float().numpy()
 record["stats"] = np.array(json.dumps(compression.stats()))
+record["gloo"] = np.array(hvd.gloo_enabled())  # (the controller the job runs under: --gloo or --mpi)
 np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **record)
 if opts.get("checkpoint"):
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
