@@ -13,6 +13,7 @@ import torch
 
 from hvd_scalecom import sim
 from hvd_scalecom.config import ScaleComConfig
+from workers.states import same
 
 
 def named():
@@ -276,19 +277,6 @@ def test_bad_tensorflow_argument(constructor, argument, value, error, text):
 
 
 # -- load_state_dict: every rejected state leaves state_dict() exactly as it was --------------------
-
-def same(a, b):
-    """Deep equality of state dicts (tensors and arrays bit for bit)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                and a.shape == b.shape and torch.equal(a, b))
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return np.array_equal(np.asarray(a), np.asarray(b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def with_last(good, **entry):

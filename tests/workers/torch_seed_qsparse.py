@@ -23,6 +23,7 @@ import torch
 
 import horovod.torch as hvd
 from hvd_scalecom.torch import QsparseLocalSGD
+from states import same  # (tests/workers/states.py)
 
 torch.set_num_threads(1)
 opts = json.loads(sys.argv[1])
@@ -67,13 +68,6 @@ if opts.get("resume_from"):
     else:
         optimizer.load_state_dict(saved["optimizer"])
 
-def same_state(a, b):
-    """Whether two states of the wrapper (state_dict()["qsparse_local_sgd"]) are equal, tensors included."""
-    def equal(x, y):
-        return (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
-    return (a["step"] == b["step"] and a["last_sync"] == b["last_sync"] and equal(a["generator"], b["generator"])
-            and all(equal(a["params"][n][key], b["params"][n][key]) for n in a["params"] for key in ("shared", "memory")))
-
 
 def as_numpy(tensor):
     """A copy in NumPy (bfloat16, which NumPy lacks, as the float32 of the same value)."""
@@ -105,7 +99,7 @@ for t in range(first_step, first_step + opts.get("steps", 6)):
         except ValueError as err:
             record["refused"] = np.array(str(err))
             record["refused_at"] = np.array(t)
-            record["state_unchanged"] = np.array(same_state(before, optimizer.state_dict()["qsparse_local_sgd"]))
+            record["state_unchanged"] = np.array(same(before, optimizer.state_dict()["qsparse_local_sgd"]))
             break
     else:
         try:

@@ -25,6 +25,7 @@ import torch
 
 import horovod.torch as hvd
 from hvd_scalecom.torch import SketchedSGD
+from states import same  # (tests/workers/states.py)
 
 torch.set_num_threads(1)
 opts = json.loads(sys.argv[1])
@@ -99,16 +100,6 @@ if str(rank) in opts.get("skew_steps", {}):  # this rank alone resumes from a st
     compression.load_state_dict(skewed)
 
 
-def same_state(a, b):
-    """Whether two SketchedSGD states (state_dict()) are equal, tensors included."""
-    def equal(x, y):
-        return (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
-    return a["scale"] == b["scale"] and all(
-        a["params"][n]["step"] == b["params"][n]["step"] and all(equal(a["params"][n].get(key), b["params"][n].get(key))
-                                                                 for key in ("momentum", "error"))
-        for n in a["params"])
-
-
 nan_at = {(t, r): name for t, r, name in opts.get("nan_at", [])}  # (step, rank): entry 7 of name is NaN
 
 
@@ -157,7 +148,7 @@ for t in range(first_step, first_step + opts.get("steps", 6)):
                 p.grad.copy_(hvd.allreduce(p.grad, name=f"direct.{name}", compression=compression))
         except RuntimeError as err:
             record["refused"] = np.array(str(err))
-            record["state_unchanged"] = np.array(same_state(before, compression.state_dict()))
+            record["state_unchanged"] = np.array(same(before, compression.state_dict()))
             break
         optimizer.step()
     elif direct:  # every gradient in one grouped allreduce
