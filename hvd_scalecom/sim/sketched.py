@@ -37,7 +37,7 @@ from hvd_scalecom.sim.traffic import StepRecord
 from hvd_scalecom.torch import clt_k
 from hvd_scalecom.torch.common import wire_dtype
 from hvd_scalecom.torch.sketch import CountSketch
-from hvd_scalecom.torch.sketched_steps import (accumulate_, applied_update, heavy_candidates,
+from hvd_scalecom.torch.sketched_steps import (accumulate_, applied_update, heavy_candidates, momentum_,
                                                reset_nonfinite_, select_applied, skip_nonfinite_, vector_dtype,
                                                zero_applied_)
 
@@ -90,7 +90,7 @@ class SketchedSGD(Scheme):
             record.baseline(spec.numel, G.dtype)
             if spec not in self.sketched:
                 u = self.memory(spec, G, key="momentum")
-                u.mul_(self.momentum).add_(G)
+                momentum_(u, G, self.momentum)
                 record.dense(spec.name, spec.numel, G.dtype)
                 updates[spec.name] = self._dense_mean(u, G.dtype)
                 reset_nonfinite_(u)
@@ -101,7 +101,7 @@ class SketchedSGD(Scheme):
                 self._v = torch.zeros_like(self._u)
             sizes = [s.numel for s in self.sketched]
             if t < self.config.warmup_steps:  # dense momentum SGD, nothing accumulated in v
-                self._u.mul_(self.momentum).add_(G)
+                momentum_(self._u, G, self.momentum)
                 for spec, u in zip(self.sketched, torch.split(self._u, sizes, dim=1)):
                     record.dense(spec.name, spec.numel, by_name[spec.name].dtype)
                     updates[spec.name] = self._dense_mean(u, by_name[spec.name].dtype)

@@ -52,7 +52,7 @@ from hvd_scalecom.torch.common import (GradientLookup, as_memory_of, check_agree
                                       follow_loss_scale, named_parameter_list, restored_loss_scale, stall_times,
                                       wire_dtype)
 from hvd_scalecom.torch.sketch import CountSketch
-from hvd_scalecom.torch.sketched_steps import (accumulate_, applied_update, heavy_candidates,
+from hvd_scalecom.torch.sketched_steps import (accumulate_, applied_update, heavy_candidates, momentum_,
                                                reset_nonfinite_, select_applied, skip_nonfinite_, vector_dtype,
                                                zero_applied_)
 from hvd_scalecom.traffic import TrafficMeter, allreduce_bytes_sent
@@ -162,7 +162,7 @@ class SketchedSGD(Compressor):
         dense_bytes = tensor.numel() * wire_dtype(tensor.dtype).itemsize  # (what Horovod can reduce: bf16 as fp32)
         if not sketched:
             u = self._momentum_of(i, tensor)
-            u.mul_(self.config.momentum).add_(tensor.reshape(-1))                    # u <- rho u + g
+            momentum_(u, tensor, self.config.momentum)                    # u <- rho u + g
             sent, ctx = dense_on_the_wire(u, tensor.dtype, copy=True)  # fresh: reduced in place
             reset_nonfinite_(u)  # (once sent: a non-finite gradient reaches the optimizer, not u)
             self.traffic.record(t, dense_bytes=dense_bytes, uncompressed_bytes=dense_bytes,

@@ -24,9 +24,14 @@ import torch
 from hvd_scalecom.torch import clt_k
 
 
+def momentum_(u, g, rho):
+    """Step 1's momentum in place, ``u <- rho u + g`` (alone: dense tensors and warm-up steps)."""
+    u.mul_(rho).add_(g.reshape(u.shape))
+
+
 def accumulate_(u, v, g, rho):
     """Step 1 in place: ``u <- rho u + g``, ``v <- v + u`` (``g`` of ``u``'s shape or flat-compatible)."""
-    u.mul_(rho).add_(g.reshape(u.shape))
+    momentum_(u, g, rho)
     v.add_(u)
 
 
