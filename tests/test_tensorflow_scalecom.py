@@ -589,7 +589,9 @@ def test_refused_steps_through_the_tape_change_nothing_and_grouped_fp16_values_a
     its own: a step refused because a sparse gradient bypassed compress leaves every variable's
     counter, tally, memory and stats() as they were, on every rank, and Horovod works on after it.
     groups=1 with fp16 values and a variable below min_numel (reduced densely in float32) would put
-    two dtypes in one grouped allreduce: every rank gets a ValueError naming both arguments. A tape
+    two dtypes in one grouped allreduce: every rank gets a ValueError naming both arguments.
+    groups= as lists of variables out of ScaleCom's order (Horovod reduces group by group) is refused
+    naming groups, before anything changes; lists in its order train. A tape
     with op=hvd.Sum around a ScaleCom that averages is refused at its warm-up step, eager or traced.
     A step compiled by XLA (jit_compile=True) is refused naming jit_compile, and a Keras model whose
     trainable variables changed (a layer frozen) after a make_train_step step or a model.fit step
@@ -609,6 +611,20 @@ def test_refused_steps_through_the_tape_change_nothing_and_grouped_fp16_values_a
         assert error.startswith("ValueError") and "value_dtype='float16' does not go with groups=" in error
         assert "variable #1 ('Variable#1') travels as float32 (dense: 10 entries, below " \
                "min_numel=100)" in error, error
+        for label in ("swapped", "partial"):  # (before: a shape error naming neither groups nor order)
+            for mode in ("eager", "function"):
+                error = str(r[f"groups_order/{label}/{mode}/error"])
+                assert error.startswith("ValueError") and "matches gradients to them by position" in error \
+                    and "groups= of hvd.DistributedGradientTape or hvd.DistributedOptimizer given as lists" \
+                    in error, f"rank {rank}, {label}, {mode}: {error}"
+        assert list(r["groups_order/refused_steps"]) == [0, 0, 0, 0]
+        assert list(r["groups_order/in_order_steps"]) == [1, 1, 1, 1]
+        # (the same gradient 2w on both ranks: the reduced one is 2w at the top 60 of |w|, zero elsewhere)
+        weight, grad = r["groups_order/weight"].reshape(-1), r["groups_order/grad"].reshape(-1)
+        top = np.argsort(-np.abs(weight), kind="stable")[:60]
+        expected = np.zeros_like(weight)
+        expected[top] = 2 * weight[top]
+        np.testing.assert_allclose(grad, expected, rtol=1e-6)
         for mode in ("eager", "function"):  # (before: the warm-up step applied the average, silently)
             error = str(r[f"op/{mode}/error"])
             assert "ScaleCom was built with op=Average but Horovod reduced its tensors with the other op" in error, \
@@ -656,6 +672,45 @@ def test_keras_helpers_match_reference(horovod_job, tmp_path):
     check_against_reference(results, opts, steps=7, rtol=1e-4, atol=2e-6)
     check_identical_weights(results)
     check_logged_stats(results, tmp_path, [1, 2])
+
+
+@pytest.mark.parametrize("ranks, per_execution, pipelined, executions",
+                         [(2, 2, False, 3), (3, 3, True, 2)])
+def test_keras_fit_with_steps_per_execution_matches_reference(horovod_job, ranks, per_execution,
+                                                             pipelined, executions):
+    """model.fit with DistributedOptimizer and steps_per_execution > 1, which runs the steps of an
+    execution in a tf.while_loop: 5 steps in executions of 2, 2 and 1 (2 ranks) or of 3 and 2
+    (3 ranks, pipelined); the model keeps its weights after each step: each update is the reference's."""
+    opts = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 5, "mode": "keras",
+            "lr": 1.0, "fit_from": 0, "steps_per_execution": per_execution, "pipelined": pipelined}
+    results, _ = horovod_job("tf_scalecom.py", opts, np=ranks)
+    assert all(len(r["fit_executions"]) == executions for r in results)
+    applied, _ = check_against_reference(results, opts, steps=5, rtol=1e-4, atol=2e-6)
+    with pytest.raises(AssertionError):  # (control: the check tells exact from pipelined ScaleCom)
+        check_against_reference(results, {**opts, "pipelined": not pipelined}, steps=5)
+    check_identical_weights(results)
+    assert [density(applied[t], "hidden.weight") == 1.0 for t in range(5)] == [True] + [False] * 4
+    assert all(list(r["steps"]) == [5] * 4 for r in results)
+
+
+@pytest.mark.parametrize("policy", [None, "mixed_float16"])
+def test_keras_fit_with_a_loss_scale_optimizer_matches_reference(horovod_job, policy):
+    """model.fit with DistributedOptimizer(LossScaleOptimizer(SGD), ScaleCom), 2 ranks, under a
+    float32 or a mixed_float16 policy (which then adds no LossScaleOptimizer of its own): the updates
+    are the reference's, and ScaleCom's memories hold the gradients of the scaled loss, the
+    reference's times the scale (1024 all along)."""
+    opts = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 4, "mode": "keras",
+            "lr": 1.0, "fit_from": 0, "loss_scale": 1024.0, "policy": policy, "state_round_trip": True}
+    results, _ = horovod_job("tf_scalecom.py", opts, np=2)
+    applied, memories = check_against_reference(results, opts, steps=4, rtol=1e-4, atol=2e-6)
+    check_identical_weights(results)
+    assert density(applied[3], "hidden.weight") == pytest.approx(0.05, abs=0.002)
+    for rank, r in enumerate(results):
+        assert float(r["dynamic_scale"]) == 1024.0
+        expected = 1024.0 * memories[rank]["hidden.weight"]
+        assert np.abs(expected).max() > 1.0
+        np.testing.assert_allclose(r["memory/hidden.weight"], expected, rtol=1e-4, atol=1e-3,
+                                   err_msg=f"rank {rank}")
 
 
 def test_checkpoint_round_trip_continues_identically(horovod_job, straight_run, tmp_path):
@@ -808,9 +863,35 @@ def test_keras_distributed_optimizer_refuses_an_apply_that_skips_the_reduction(t
     variable = keras.Variable(np.ones(3, np.float32))
     inner = DistributedOptimizer(keras.optimizers.SGD(0.1), ScaleCom([variable], min_numel=100))
     scaled = keras.optimizers.LossScaleOptimizer(inner)
-    with pytest.raises(RuntimeError, match="without Horovod's reduction"):
+    with pytest.raises(RuntimeError, match="without Horovod's reduction") as refused:
         scaled.apply([tf.ones(3)], [variable])
+    assert "put one inside instead: DistributedOptimizer(keras.optimizers.LossScaleOptimizer(optimizer), " \
+        "compression)" in str(refused.value)
     np.testing.assert_array_equal(variable.numpy(), np.ones(3))
+
+
+def test_keras_helpers_refuse_gradient_accumulation_with_scalecom(tf_modules):
+    """An optimizer with gradient_accumulation_steps (its own, or a LossScaleOptimizer's inner one)
+    would have ScaleCom compress and exchange every micro-batch: both helpers refuse it with ScaleCom,
+    before building or broadcasting anything; a dense reduction takes it."""
+    keras = pytest.importorskip("keras")
+    from hvd_scalecom.tensorflow import DistributedOptimizer, make_train_step
+    tf, ScaleCom = tf_modules
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(2)])
+    compression = ScaleCom(model.trainable_variables, min_numel=4)
+
+    def accumulating():
+        return keras.optimizers.SGD(0.1, gradient_accumulation_steps=3)
+
+    for optimizer in (accumulating(), keras.optimizers.LossScaleOptimizer(accumulating())):
+        message = "optimizer has gradient_accumulation_steps=3, which ScaleCom does not support"
+        with pytest.raises(ValueError, match=message):
+            DistributedOptimizer(optimizer, compression)
+        with pytest.raises(ValueError, match=message):
+            make_train_step(model, optimizer, "mse", compression)
+        assert not optimizer.built
+    assert [int(s.numpy()) for s in compression.steps] == [0, 0, 0, 0]
+    assert DistributedOptimizer(accumulating()).gradient_accumulation_steps == 3
 
 
 def test_keras_helpers_reject_bad_input(tf_modules):

@@ -41,8 +41,11 @@ Which variable a gradient belongs to: Horovod's tape reduces the gradients in th
 (one ``gradient()`` call) to the n-th variable it was built with, restarting at the first variable in a
 new graph or after the last one, and checks that the shape matches. So: take gradients with respect
 to exactly the variables given to ScaleCom, in that order, each with a gradient (no ``None``, no
-``register_local_source``, ``groups`` only as an int, and with ``value_dtype`` only where every
-variable of a group is compressed; ``sparse_as_dense=True`` for embeddings).
+``register_local_source``, ``groups`` as an int or as lists that take the variables in that order,
+since Horovod reduces group by group, and with ``value_dtype`` only where every variable of a group
+is compressed; ``sparse_as_dense=True`` for embeddings). Gradients out of order are refused where
+their shapes differ from their variables' (a ValueError naming ``groups``, before anything changes);
+among variables of one shape the memories follow the positions.
 """
 
 import contextlib
@@ -533,7 +536,10 @@ class ScaleCom(tf.Module, Compressor):
                 f"but variable #{slot.index} ({slot.name!r}) has shape {slot.shape}. Take gradients "
                 f"with respect to exactly the variables given to ScaleCom, in the same order, each "
                 f"with a gradient (Keras 3: tape.gradient(loss, [v.value for v in "
-                f"model.trainable_variables])).")
+                f"model.trainable_variables])). With groups= of hvd.DistributedGradientTape or "
+                f"hvd.DistributedOptimizer given as lists of variables, Horovod reduces the gradients "
+                f"group by group, then those of variables in no group: give groups as an int, or lists "
+                f"that take ScaleCom's variables in their order.")
         self._cursor += 1
         return slot
 

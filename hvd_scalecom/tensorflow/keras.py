@@ -60,7 +60,8 @@ def make_train_step(model, optimizer, loss, compression=None, *, root_rank=0, ji
         optimizer: a Keras 3 optimizer, used for this model only.
         loss: a loss callable ``loss(y_true, y_pred)`` or a Keras loss name.
         compression: a :class:`ScaleCom` built for ``model.trainable_variables`` (or any Horovod
-            compression; ``None``: dense).
+            compression; ``None``: dense). With ScaleCom, an optimizer with
+            ``gradient_accumulation_steps`` is refused (ValueError).
         jit: wrap the step in ``tf.function`` (default); ``False`` runs eagerly (Horovod then traces
             its own reduction function once).
 
@@ -87,6 +88,7 @@ def make_train_step(model, optimizer, loss, compression=None, *, root_rank=0, ji
     if compression is None:
         compression = hvd.Compression.none
     elif isinstance(compression, ScaleCom):
+        _check_no_accumulation(optimizer)
         compression.check_variables(model.trainable_variables)
         tape_options = {"sparse_as_dense": True, **tape_options}
         _check_reduction(compression, tape_options["sparse_as_dense"], tape_options.get("op", hvd.Average),
@@ -140,9 +142,12 @@ def DistributedOptimizer(optimizer, compression=None, *, sparse_as_dense=None,
     ScaleCom's ``op`` (``hvd.Average`` for other compressions) and ``process_set``, which must be
     ScaleCom's; ``sparse_as_dense`` defaults to True with ScaleCom (else False). With ScaleCom, a step
     whose variables are not ScaleCom's (layers frozen or unfrozen since it was built, then compiled
-    again) is refused with a ValueError before any gradient is reduced. XLA (``jit_compile``) and
-    ``steps_per_execution > 1`` are not supported: Horovod's ops have no XLA kernels, and ScaleCom's
-    state updates are not meant to run inside a ``tf.while_loop``.
+    again) is refused with a ValueError before any gradient is reduced. ``steps_per_execution > 1``
+    works (each step of an execution is reduced as alone); XLA (``jit_compile``) does not: Horovod's
+    ops have no XLA kernels. With ScaleCom, an optimizer with ``gradient_accumulation_steps`` is
+    refused (ValueError): every micro-batch would be compressed and exchanged. Under a
+    ``mixed_float16`` policy, wrap a ``LossScaleOptimizer``, as ``compile`` would put its own around
+    this optimizer and skip the reduction (refused): ScaleCom then compresses the scaled gradients.
 
     The copy is built from ``optimizer.get_config()`` and keeps its weight-decay exclusions
     (``exclude_from_weight_decay``, its inner optimizer's too for a ``LossScaleOptimizer``); other
@@ -164,6 +169,7 @@ def DistributedOptimizer(optimizer, compression=None, *, sparse_as_dense=None,
         raise TypeError(f"sparse_as_dense must be True or False, got {sparse_as_dense!r}")
     op = compression.op if scalecom else hvd.Average
     if scalecom:
+        _check_no_accumulation(optimizer)
         _check_reduction(compression, sparse_as_dense, op, process_set)
     reduce = hvd._make_allreduce_grads_fn(  # Horovod's own, as in DistributedGradientTape
         "DistributedOptimizer", "", "", compression or hvd.Compression.none, sparse_as_dense,
@@ -193,9 +199,9 @@ def DistributedOptimizer(optimizer, compression=None, *, sparse_as_dense=None,
             raise RuntimeError(
                 "DistributedOptimizer.apply() was called without Horovod's reduction: each rank would "
                 "train alone. A custom Model.train_step must call optimizer.apply_gradients(zip(grads, "
-                "variables)), not apply(); a wrapper that skips apply_gradients() (e.g. the "
-                "LossScaleOptimizer a mixed_float16 policy puts around it in compile()) needs a float32 "
-                "policy, or make_train_step / hvd.DistributedGradientTape with your own loss scaling")
+                "variables)), not apply(); for the LossScaleOptimizer a mixed_float16 policy puts around "
+                "it in compile(), put one inside instead: DistributedOptimizer(keras.optimizers."
+                "LossScaleOptimizer(optimizer), compression)")
         return base.apply(self, grads, trainable_variables)
 
     cls = type(base.__name__, (base,), {"apply_gradients": apply_gradients, "apply": apply,
@@ -247,6 +253,19 @@ def _check_reduction(scalecom, sparse_as_dense, op, process_set):
     if _set_id(process_set) != _set_id(scalecom._process_set):
         raise ValueError("process_set differs from ScaleCom's process_set: its indices would go to other "
                          "ranks than the values")
+
+
+def _check_no_accumulation(optimizer):
+    """ValueError if ``optimizer`` (or a ``LossScaleOptimizer``'s inner one) accumulates gradients:
+    ScaleCom would compress and exchange every micro-batch's gradient, its steps counting micro-batches."""
+    for candidate in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        steps = getattr(candidate, "gradient_accumulation_steps", None)
+        if steps:
+            raise ValueError(
+                f"optimizer has gradient_accumulation_steps={steps}, which ScaleCom does not support: "
+                f"the gradients of every micro-batch would be compressed and exchanged (ScaleCom's step "
+                f"counters, warm-up and leaders moving per micro-batch) and the optimizer would average "
+                f"the reduced ones. Use an optimizer without gradient_accumulation_steps")
 
 
 def _set_id(process_set):

@@ -8,6 +8,11 @@ argv: JSON options (unused), output directory. Writes ``rank<R>.npz`` with:
   ``tallies/<when>``, ``memories/<when>`` and ``stats/<when>`` are the state after step 0 and after
   the refused step; ``error`` its message; ``after`` a Sum-allreduce of the rank run after it.
 * ``groups/error``: the ValueError of ``groups=1`` with fp16 values and a variable below min_numel.
+* ``groups_order/...``: ``groups=`` as lists of variables out of ScaleCom's order (``swapped``
+  groups, or a ``partial`` one, after which Horovod reduces the variables in no group): each step's
+  ``error`` (eager and traced) and the step counters after them (``refused_steps``); then a traced
+  step with lists in ScaleCom's order: the counters (``in_order_steps``), the first variable
+  (``weight``) and its reduced gradient (``grad``).
 * ``op/<eager|function>/error``: a warm-up step of a tape with ``op=hvd.Sum`` and a ScaleCom that
   averages.
 * ``xla/...``: a step in ``tf.function(jit_compile=True)``: its ``error``, the step counters
@@ -80,6 +85,30 @@ try:
     record["groups/error"] = np.array("")
 except (ValueError, TypeError) as error:
     record["groups/error"] = np.array(f"{type(error).__name__}: {error}")
+
+listed = [tf.Variable(rng.standard_normal(shape), dtype=tf.float32, name=f"listed{i}")  # (Horovod
+          for i, shape in enumerate([(40, 30), (5,), (30, 10), (10,)])]  # matches groups by name)
+listed_compression = ScaleCom(listed, ratio=0.05, min_numel=100)
+
+
+def listed_step(groups):
+    with tf.GradientTape() as tape:
+        loss = sum(tf.reduce_sum(w * w) for w in listed)
+    return hvd.DistributedGradientTape(tape, compression=listed_compression, groups=groups).gradient(
+        loss, listed)
+
+
+for label, groups in (("swapped", [listed[2:], listed[:2]]), ("partial", [[listed[0], listed[2]]])):
+    for mode in ("eager", "function"):
+        try:
+            (tf.function(lambda: listed_step(groups)) if mode == "function" else lambda: listed_step(groups))()
+            record[f"groups_order/{label}/{mode}/error"] = np.array("")
+        except ValueError as error:
+            record[f"groups_order/{label}/{mode}/error"] = np.array(f"{type(error).__name__}: {error}")
+record["groups_order/refused_steps"] = np.array([int(s.numpy()) for s in listed_compression.steps])
+grads = tf.function(lambda: listed_step([listed[:2], listed[2:]]))()
+record["groups_order/in_order_steps"] = np.array([int(s.numpy()) for s in listed_compression.steps])
+record["groups_order/weight"], record["groups_order/grad"] = listed[0].numpy(), grads[0].numpy()
 
 for mode in ("eager", "function"):  # a tape that sums, a ScaleCom that averages: refused in warm-up
     mismatched_weights = [tf.Variable(tf.ones([3000]) * (i + 1)) for i in range(2)]

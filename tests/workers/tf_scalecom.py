@@ -8,7 +8,10 @@ with ``checkpoint_at``, a tf.train.Checkpoint per rank. With ``tensorboard``, ea
 callback during ``model.fit``, at the optimizer's iteration count) and records it as
 ``tb_stats/<logged step>``. ``mode``: ``"function"`` (the step is a tf.function), ``"eager"``, or
 ``"keras"`` (a Keras 3 model trained by ``make_train_step``, eagerly from step ``eager_from``, by
-``model.fit`` with ``DistributedOptimizer`` from step ``fit_from``).
+``model.fit`` with ``DistributedOptimizer`` from step ``fit_from``: one ``fit`` call per step, or,
+with ``steps_per_execution``, one for all the steps left, whose weights after each step the model
+keeps; ``loss_scale``: the fit optimizer is a ``LossScaleOptimizer`` of that initial scale,
+``policy``: the Keras dtype policy).
 """
 
 import json
@@ -55,12 +58,33 @@ if mode == "keras":
                                          gradient_sources, make_train_step)
 
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((48,)), keras.layers.Dense(HIDDEN, activation="tanh"),
-                              keras.layers.Dense(10)])
+    if opts.get("policy"):
+        keras.mixed_precision.set_global_policy(opts["policy"])
+
+    class Recorded(keras.Sequential):
+        """Keeps its weights after each step of fit in ``trace``, at row ``traced`` (counted from 1)."""
+
+        def train_step(self, data):
+            logs = super().train_step(data)
+            row = traced.assign_add(1)
+            for kept, w in zip(trace, gradient_sources(self.trainable_variables)):
+                kept.scatter_nd_update([[row]], [w.read_value()])
+            return logs
+
+    model = Recorded([keras.Input((48,)), keras.layers.Dense(HIDDEN, activation="tanh"),
+                      keras.layers.Dense(10)])
     compression = make_compression(model.trainable_variables)
+    trace = [tf.Variable(tf.zeros([opts.get("steps", 6) + 1, *s])) for s in SHAPES]
+    traced = tf.Variable(0)
+    executions = []  # the last batch of each execution of a fit
 
     def sgd():  # "loss_scale_factor": make_train_step and fit scale the loss, the optimizer unscales
         return keras.optimizers.SGD(LR, loss_scale_factor=opts.get("loss_scale_factor"))
+
+    def fit_optimizer():
+        if opts.get("loss_scale"):  # (the loss scaled by its dynamic scale, the gradients unscaled)
+            return keras.optimizers.LossScaleOptimizer(sgd(), initial_scale=opts["loss_scale"])
+        return sgd()
 
     optimizer = sgd()
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -69,8 +93,8 @@ if mode == "keras":
     eager_step = make_train_step(model, optimizer, loss_fn, compression, jit=False)
     weights = gradient_sources(model.trainable_variables)  # kernel, bias, kernel, bias: as NAMES
     # From step "fit_from" on, model.fit trains it, reducing through DistributedOptimizer.
-    model.compile(optimizer=DistributedOptimizer(sgd(), compression),
-                  loss=loss_fn, jit_compile=False)
+    model.compile(optimizer=DistributedOptimizer(fit_optimizer(), compression), loss=loss_fn,
+                  jit_compile=False, steps_per_execution=opts.get("steps_per_execution", 1))
 else:
     tf.random.set_seed(0)
     weights = [tf.Variable(tf.random.normal(s, stddev=0.2), name=n.replace(".", "_"))
@@ -101,6 +125,11 @@ else:
 
 
 def own_gradients(x, y):
+    if opts.get("policy"):  # as fit takes them: in the policy's dtypes, of the scaled loss, unscaled
+        scale = opts.get("loss_scale", 1.0)
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True)) * scale
+        return [g / scale for g in tape.gradient(loss, weights)]
     with tf.GradientTape() as tape:
         loss = loss_of(weights, x, y)
     return tape.gradient(loss, weights)
@@ -116,6 +145,11 @@ def train(first_step, steps, record, compression_used, label=""):
         poison = opts.get("poison")  # {"rank", "step"}: a NaN input makes that rank's gradients NaN
         if poison and (poison["rank"], poison["step"]) == (rank, t):
             x = tf.tensor_scatter_nd_update(x, [[0, 7]], [float("nan")])
+        fit_from = opts.get("fit_from", 10**9)
+        at_once = mode == "keras" and opts.get("steps_per_execution") and t >= fit_from
+        if at_once and t > fit_from:  # (one fit took every step: back to the weights before step t)
+            for w, kept in zip(weights, trace):
+                w.assign(kept[t - fit_from])
         raw = own_gradients(x, y)
         before = [w.numpy() for w in weights]
         if mode == "v1_optimizer":
@@ -127,8 +161,23 @@ def train(first_step, steps, record, compression_used, label=""):
                 log_stats(writer, compression_used, t)
                 record[f"tb_stats/{t}"] = np.array(json.dumps(compression_used.stats()))
         else:
-            if t >= opts.get("fit_from", 10**9):
-                callbacks = [BroadcastInitialState()] if t == opts["fit_from"] else []
+            if at_once:
+                if t == fit_from:  # every step left in one fit, steps_per_execution at a time
+                    traced.assign(0)
+                    for kept, w in zip(trace, weights):
+                        kept[0].assign(w)
+                    data = [batch(s, rank) for s in range(t, first_step + steps)]
+                    ends = keras.callbacks.LambdaCallback(  # (once per execution)
+                        on_train_batch_end=lambda batch, logs: executions.append(batch))
+                    model.fit(tf.concat([d[0] for d in data], 0), tf.concat([d[1] for d in data], 0),
+                              batch_size=16, epochs=1, shuffle=False, verbose=0,
+                              callbacks=[BroadcastInitialState(), ends])
+                    assert int(traced.numpy()) == len(data)
+                    record["fit_executions"] = np.array(executions)
+                for w, kept in zip(weights, trace):
+                    w.assign(kept[t - fit_from + 1])
+            elif t >= fit_from:
+                callbacks = [BroadcastInitialState()] if t == fit_from else []
                 if writer is not None:
                     callbacks.append(LogStats(compression_used, writer))
                 model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
@@ -147,6 +196,8 @@ def train(first_step, steps, record, compression_used, label=""):
     for name, w in zip(NAMES, weights):
         record[f"{label}final/{name}"] = w.numpy()
     record[f"{label}stats"] = np.array(json.dumps(compression_used.stats()))
+    if mode == "keras" and opts.get("loss_scale"):
+        record["dynamic_scale"] = np.array(float(model.optimizer.dynamic_scale.numpy()))
     record[f"{label}steps"] = np.array([int(s.numpy()) for s in compression_used.steps])
 
 
