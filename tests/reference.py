@@ -20,9 +20,10 @@ def scalecom_reference(raw_grads, names, size, ratio, beta, warmup_steps, min_nu
 
     raw_grads[t][rank][name]: each rank's gradient at step t (any shape).
     value_dtype: the dtype the selected values are sent in (v_i = value_dtype(p_i[I])).
-    skip_memory: (t, name) pairs whose reduction was non-finite: the memory keeps its value.
+    skip_memory: (t, name) pairs whose reduction was non-finite: the memory keeps its value (as it
+        does wherever the mean is not finite: a rank whose gradient is not finite sends NaN).
     pipelined: I at step t is the top-k of the step-t leader's p at step t - 1 (fresh at the first
-        compressed step).
+        compressed step). A leader whose gradient is not finite selects from its memory instead.
     chosen_sets: {(t, name): indices} the code under test chose, where ties at the k-th magnitude
         are likely (bfloat16 gradients): each must be a top-k of the leader's |p| and is taken as I;
         elsewhere ties go to the lowest indices.
@@ -41,9 +42,11 @@ def scalecom_reference(raw_grads, names, size, ratio, beta, warmup_steps, min_nu
                 out[name] = (np.sum(g, axis=0) / size).reshape(per_rank[0][name].shape)
                 continue
             p = [memories[r][name] + g[r] for r in range(size)]                     # p_i = m_i + g_i
+            # what a leader selects from: p, or its memory where its gradient is not finite
+            selectable = [p[r] if np.isfinite(g[r]).all() else memories[r][name] for r in range(size)]
             j = t % size if leader == "cyclic" else (t + index) % size               # leader
             k = max(1, math.ceil(ratio * numel))
-            source = p[j] if not pipelined or t == warmup_steps else previous_p[name][j]
+            source = selectable[j] if not pipelined or t == warmup_steps else previous_p[name][j]
             chosen = np.argsort(-np.abs(source), kind="stable")[:k]                  # I = top_k |p_j|
             if chosen_sets is not None and (t, name) in chosen_sets:
                 given = np.asarray(chosen_sets[(t, name)]).reshape(-1)
@@ -52,15 +55,16 @@ def scalecom_reference(raw_grads, names, size, ratio, beta, warmup_steps, min_nu
                 assert given.size == numel or magnitudes[given].min() >= np.delete(magnitudes, given).max(), \
                     f"step {t}, {name}: the chosen indices are not a top-k of the leader's |p|"
                 chosen = given
-            previous_p[name] = p
-            v = [p[r][chosen].astype(value_dtype).astype(np.float32) for r in range(size)]  # v_i = p_i[I]
+            previous_p[name] = selectable
+            v = [p[r][chosen].astype(value_dtype).astype(np.float32) if np.isfinite(g[r]).all()
+                 else np.full(k, np.nan, np.float32) for r in range(size)]           # v_i = p_i[I]
             sent = [np.zeros(numel, np.float32) for _ in range(size)]
             for r in range(size):
                 sent[r][chosen] = v[r]                                               # scatter(I, v_i)
             dense = np.zeros(numel, np.float32)
             dense[chosen] = np.sum(v, axis=0) / size                                 # mean_i v_i
             for r in range(size):
-                if (t, name) in skip_memory:
+                if (t, name) in skip_memory or not np.isfinite(dense).all():
                     continue
                 memories[r][name] = ((1 - beta) * memories[r][name]
                                      + beta * (p[r] - sent[r])).astype(np.float32)  # low-pass filter

@@ -2,6 +2,7 @@
 against ``torch.topk`` on random and adversarial inputs (ties, all-equal, mostly zeros, a biased
 sample, fp16/bf16 gradients with fp32 memory)."""
 
+import contextlib
 import math
 
 import pytest
@@ -121,6 +122,30 @@ def test_a_nan_does_not_hide_the_finite_entries_of_its_column():
         on_torch = clt_k.select_top_k(p, 100, "threshold").sort().values
     assert torch.equal(on_torch, expected)
     assert torch.equal(clt_k.select_top_k(p, 100, "threshold").sort().values, expected)
+
+
+@pytest.mark.parametrize("selection", ["exact", "threshold"])
+@pytest.mark.parametrize("poison", ["one nan", "all nan", "all inf"])
+def test_a_leader_whose_gradient_is_not_finite_selects_the_top_k_of_its_memory(selection, poison):
+    """A NaN or Inf in g makes ``top_k(|m + g|)`` undefined (torch.topk ranks NaN first, the threshold
+    pass takes none, both take Inf, and an all-NaN p gave k arbitrary entries): the leader selects
+    ``top_k(|m|)``, the memory the non-finite step leaves, alike on the C and the torch paths, in the
+    step (select_and_take, whose values it still sends as NaN) or a step ahead (select_top_k_of_sum)."""
+    from hvd_scalecom.native import torch_operations
+
+    numel, k = 1 << 17, 500
+    generator = torch.Generator().manual_seed(5)
+    memory, grad = torch.randn(numel, generator=generator), torch.randn(numel, generator=generator)
+    if poison == "one nan":
+        grad[int(torch.topk(memory.abs(), 1).indices) + 1] = float("nan")
+    else:
+        grad.fill_(float("nan") if poison == "all nan" else float("inf"))
+    expected = torch.topk(memory.abs(), k).indices.sort().values
+    for path in (torch_operations, contextlib.nullcontext):
+        with path():
+            assert torch.equal(clt_k.select_top_k_of_sum(memory, grad, k, selection).sort().values, expected)
+            indices, taken = clt_k.select_and_take(memory, grad, k, selection, index_dtype=torch.int32)
+            assert torch.equal(indices.long(), expected) and not taken.finite
 
 
 def test_biased_sample_falls_back_or_keeps_many_candidates():

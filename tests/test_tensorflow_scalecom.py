@@ -1080,12 +1080,15 @@ def test_example_checkpoint_resume_continues_identically(tmp_path):
         result("other", "--epochs", "3", "--checkpoint", str(tmp_path / "ckpt"), "--resume", "--compression", "fp16")
 
 
-def test_nonfinite_gradient_skips_the_memory_update_on_every_rank(horovod_job):
-    """Rank 0 (not the leader of step 3) gets a NaN input at step 3, so all its gradients are NaN:
-    every rank's reduction of the compressed tensors is NaN, every rank skips their memory update
-    (counted in stats()), the worker skips that step's update as a loss scaler would, and training
-    then goes on exactly as the reference with those two memory updates skipped."""
-    opts = {"steps": 6, "poison": {"rank": 0, "step": 3}, "skip_nonfinite": True}
+@pytest.mark.parametrize("poisoned, pipelined", [(0, False), (1, False), (0, True)])
+def test_nonfinite_gradient_skips_the_memory_update_on_every_rank(horovod_job, poisoned, pipelined):
+    """A rank gets a NaN input at step 3, so all its gradients are NaN: every rank's reduction of the
+    compressed tensors is NaN, every rank skips their memory update (counted in stats()), the worker
+    skips that step's update as a loss scaler would, and training then goes on exactly as the
+    reference with those two memory updates skipped. Rank 1 leads step 3, and pipelined, rank 0
+    selects step 4's indices in step 3: such a leader selects the top-k of its memory (top_k of
+    |m + g| is not defined: the step's NaN made step 4's indices arbitrary)."""
+    opts = {"steps": 6, "poison": {"rank": poisoned, "step": 3}, "skip_nonfinite": True, "pipelined": pipelined}
     results, _ = horovod_job("tf_scalecom.py", opts, np=2)
     for r in results:
         assert not np.isfinite(r["applied/3/hidden.weight"]).all()

@@ -11,17 +11,23 @@ from reference import scalecom_reference
 NAMES = ["hidden.weight", "hidden.bias", "out.weight", "out.bias"]
 
 
-def raw_grads(results, steps, names=NAMES):
+def raw_grads(results, steps, names=NAMES, poison=None):
+    """Every rank's gradients (the worker records them before its ``poison``, which is added here)."""
     first = min(int(k.split("/")[1]) for k in results[0] if k.startswith("raw/"))
-    return [[{n: r[f"raw/{t}/{n}"] for n in names} for r in results]
-            for t in range(first, first + steps)], first
+    grads = [[{n: r[f"raw/{t}/{n}"] for n in names} for r in results] for t in range(first, first + steps)]
+    if poison and first <= poison["step"] < first + steps:
+        poisoned = grads[poison["step"] - first][poison["rank"]]
+        flat = poisoned["hidden.weight"].copy().reshape(-1)
+        flat[slice(None) if poison.get("index") == "all" else poison.get("index", 7)] = float(poison["value"])
+        poisoned["hidden.weight"] = flat.reshape(poisoned["hidden.weight"].shape)
+    return grads, first
 
 
 def check_against_reference(results, opts, steps, names=NAMES, rtol=2e-5, atol=1e-6, value_dtype=np.float32,
                             skip=(), chosen_sets=None):
     if "advance_min_numel" in opts:  # the traded-buffer path ran on every rank (each leads only some steps)
         assert all(int(r["traded"]) > 0 for r in results), [int(r["traded"]) for r in results]
-    grads, first = raw_grads(results, steps, names)
+    grads, first = raw_grads(results, steps, names, opts.get("poison"))
     applied, memories = scalecom_reference(
         grads, names, len(results), opts.get("ratio", 0.05), opts.get("beta", 0.5),
         opts.get("warmup_steps", 0), opts.get("min_numel", 600), opts.get("leader", "cyclic"),
@@ -365,6 +371,29 @@ def test_nonfinite_gradient_skips_the_step_on_every_rank_and_spares_the_memory(h
             assert np.isfinite(r[f"memory/{n}"]).all()
         assert json.loads(str(r["stats"]))["nonfinite_skips"] == 1
     check_against_reference(results, opts, steps=7, skip={(3, "hidden.weight")})
+    check_identical_weights(results)
+
+
+@pytest.mark.parametrize("pipelined, selection, poison", [
+    (True, "exact", {"rank": 0, "step": 3, "value": "nan"}),
+    (True, "threshold", {"rank": 0, "step": 3, "value": "inf", "index": "all"}),
+    (False, "exact", {"rank": 1, "step": 3, "value": "nan"}),
+])
+def test_a_leader_whose_gradient_is_not_finite_selects_from_its_memory(horovod_job, pipelined, selection, poison):
+    """Pipelined, rank 0 selects step 4's indices in step 3, where its hidden.weight gradient holds a
+    NaN (or is all Inf, as after an fp16 overflow); not pipelined, rank 1 leads step 3 with a NaN.
+    Such a leader selects top_k(|m|), the memory that the step leaves on every rank: the exact
+    selection took the NaN's position into step 4's indices (torch.topk ranks NaN first), and after
+    an all-Inf gradient both selections took k arbitrary entries. Every step matches the reference,
+    the non-finite one too (NaN at exactly its k indices), and no memory absorbs the step."""
+    opts = {"ratio": 0.05, "beta": 0.5, "min_numel": 600, "steps": 6, "skip_nonfinite": True,
+            "pipelined": pipelined, "selection": selection, "poison": poison}
+    results, _ = horovod_job("torch_scalecom.py", opts, np=2)
+    for r in results:
+        assert np.isnan(r["applied/3/hidden.weight"]).sum() == 154  # k: the mean is NaN at I, zero elsewhere
+        assert np.isfinite(r["memory/hidden.weight"]).all()
+        assert json.loads(str(r["stats"]))["nonfinite_skips"] == 1
+    check_against_reference(results, opts, steps=6)
     check_identical_weights(results)
 
 

@@ -130,6 +130,9 @@ add_run("np2_first", "sketched_loss_scaled", "torch_seed_sketched.py", SCALED,
 add_run("np2_first", "sketched_skewed_steps", "torch_seed_sketched.py",
         {**BASE, "warmup_steps": 2, "steps": 2, "skew_steps": {"1": 3}},
         ["test_ranks_resumed_from_states_of_different_steps_all_raise"])
+SKEWED_MID_JOB = {**BASE, "warmup_steps": 2, "steps": 3, "skew_steps_at": {"1": 1}}
+add_run("np2_first", "sketched_skewed_mid_job", "torch_seed_sketched.py", SKEWED_MID_JOB,
+        ["test_step_counters_that_part_across_the_end_of_warm_up_mid_job_raise_on_every_rank"])
 DISAGREEING = {  # part: per-rank options that only the configuration check can tell apart
     # a model cast to bfloat16 on one rank: every rank sends fp32 (sketch, probes, dense), so the
     # ranks trained on silently in different precisions (with float64: Horovod's "Mismatched data types")
@@ -273,15 +276,17 @@ def test_three_ranks_match_the_simulator_and_move_the_sketch(request, tmp_path_f
     check_identical_weights(results)
 
     # What Horovod moved (rank 0's timeline): per sketched step one r x c sketch, P k candidate sums,
-    # a one-entry probe per sketched tensor; the biases dense; warm-up all dense.
+    # a one-entry probe per sketched tensor; the biases dense; in warm-up the probes too, and the
+    # sketched tensors' momentum, whole, in the sketch's allreduce.
     moved = {}
     for op in read_operations(timeline):
         moved.setdefault(op["name"], []).append((op["shape"], op["dtype"]))
-    assert moved["allreduce.sketched_sgd.sketch"] == [([3, 400], "float32")] * (steps - warmup)
+    assert moved["allreduce.sketched_sgd.sketch"] == [([3072 + 640], "float32")] * warmup + \
+        [([3, 400], "float32")] * (steps - warmup)
     assert moved["allreduce.sketched_sgd.candidates"] == [([2 * K], "float32")] * (steps - warmup)
-    probes = [([1], "float32")] * (steps - warmup)
-    assert moved["allreduce.hidden.weight"] == [([64, 48], "float32")] * warmup + probes
-    assert moved["allreduce.out.weight"] == [([10, 64], "float32")] * warmup + probes
+    probes = [([1], "float32")] * steps
+    assert moved["allreduce.hidden.weight"] == probes
+    assert moved["allreduce.out.weight"] == probes
     assert moved["allreduce.hidden.bias"] == [([64], "float32")] * steps
     sketched_step = 4 * (3 * 400 + 2 * K + 2)
     dense_step = 4 * (64 + 10)
@@ -290,7 +295,7 @@ def test_three_ranks_match_the_simulator_and_move_the_sketch(request, tmp_path_f
             stats = json.loads(str(r[f"stats/{t}"]))
             assert stats["index_bytes"] == 0
             if t < warmup:
-                assert (stats["value_bytes"], stats["dense_bytes"]) == (0, 4 * 3786)
+                assert (stats["value_bytes"], stats["dense_bytes"]) == (4 * 2, 4 * 3786)
             else:
                 assert (stats["value_bytes"], stats["dense_bytes"]) == (sketched_step, dense_step)
             assert stats["uncompressed_bytes"] == 4 * 3786 and stats["tensors"] == 4
@@ -299,7 +304,7 @@ def test_three_ranks_match_the_simulator_and_move_the_sketch(request, tmp_path_f
         timeline_bytes = sum(op["nbytes"] for op in read_operations(timeline)
                              if op["op"] == "allreduce" and op["name"] != "allreduce.worker.done")
         assert total["sent_bytes"] == timeline_bytes == (steps - warmup) * (sketched_step + dense_step) \
-            + warmup * 4 * 3786
+            + warmup * 4 * (3786 + 2)
 
 
 def test_sketched_sgd_under_mpi_matches_the_simulator(request, tmp_path_factory):
@@ -413,6 +418,25 @@ def test_ranks_resumed_from_states_of_different_steps_all_raise(request, tmp_pat
         assert "SketchedSGD is configured differently on different ranks (steps differ)" in str(r["refused"])
         assert "restore every rank from a state of the same step" in str(r["refused"])
         assert not any(key.startswith("applied/") for key in r)
+
+
+def test_step_counters_that_part_across_the_end_of_warm_up_mid_job_raise_on_every_rank(request, tmp_path_factory):
+    """Warm-up of 2 steps; at the top of step 1 rank 1 loads a state of its next step (step 2, past
+    warm-up), after the first-step check: rank 0 reduces step 1 densely, rank 1 sketches. Both meet in
+    sketched_sgd.sketch with different shapes (u whole against the r x c table), and both raise an
+    error naming SketchedSGD, a sketched tensor, the cause and the remedy; it was Horovod's "Mismatched
+    ALLREDUCE tensor shapes" of a probe against a dense gradient, naming neither."""
+    results = completed(shared_job("np2_first", request, tmp_path_factory), "sketched_skewed_mid_job", 2)
+    follow(reference(SKEWED_MID_JOB, 2), results, 1)  # step 0, dense, as the reference
+    for rank, r in enumerate(results):
+        refused = str(r["refused"])
+        assert refused.startswith("SketchedSGD: the ranks' step counters differ on either side of the end of "
+                                  "warm-up (warmup_steps=2), so they reduced "), refused
+        assert ("'hidden.weight'" in refused) != ("'out.weight'" in refused)
+        assert f"this rank is at step {1 + rank}, {['in warm-up', 'past warm-up'][rank]}" in refused
+        assert "restore every rank from a state_dict() of the same step" in refused
+        assert "Mismatched ALLREDUCE tensor shapes" in refused  # (Horovod's own words, kept)
+        assert not any(key.startswith("applied/1/") for key in r)
 
 
 def test_ranks_configured_differently_all_raise(request, tmp_path_factory):

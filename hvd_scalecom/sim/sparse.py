@@ -164,8 +164,9 @@ class ScaleCom(_SharedIndices):
         return self.filtered_update(spec, G, indices)
 
     def leader_top_k(self, M, G, leader, k):
-        """The leader's ``top_k(|p_j|)``, ``p_j = m_j + g_j``, with the Horovod path's functions."""
-        return clt_k.select_top_k(clt_k.error_compensated(M[leader], G[leader]), k, self.config.selection)
+        """The leader's ``top_k(|p_j|)``, ``p_j = m_j + g_j`` (``top_k(|m_j|)`` where ``g_j`` is not
+        finite), with the Horovod path's function (:func:`clt_k.select_top_k_of_sum`)."""
+        return clt_k.select_top_k_of_sum(M[leader], G[leader], k, self.config.selection)
 
 
 def _add_overlap(diagnostics, name, hits, k):

@@ -3,7 +3,8 @@
 Notation of Chen et al. (NeurIPS 2020), Algorithm 1, for one tensor on rank i at step t:
 
 1. ``p_i = m_i + g_i``                                     (error-compensated gradient)
-2. ``I = top_k(|p_j|)`` on the leader j                     (CLT-k, :func:`select_top_k`)
+2. ``I = top_k(|p_j|)`` on the leader j                     (CLT-k, :func:`select_top_k`; ``top_k(|m_j|)``
+   where ``g_j`` is not finite, :func:`selection_source`)
 3. ``v_i = p_i[I]``, averaged over ranks                    (:func:`take`)
 4. ``m_i <- (1 - beta) m_i + beta (p_i - scatter(I, v_i))`` (low-pass filter, :func:`filter_memory`)
 5. the update applies ``scatter(I, mean_i v_i)``            (:func:`scatter_dense`)
@@ -30,6 +31,15 @@ def memory_dtype(grad_dtype):
 def error_compensated(memory, grad):
     """Step 1: ``p = m + g``, flat, in the memory's dtype."""
     return memory + tf.cast(tf.reshape(grad, [-1]), memory.dtype)
+
+
+def selection_source(memory, grad):
+    """What the leader's step 2 selects from: ``p = m + g`` (:func:`error_compensated`), or ``m``
+    where ``g`` holds a NaN or Inf. Such a leader sends NaN, so every rank keeps its memory: ``m`` is
+    what the step leaves, and ``top_k(|m + g|)`` is not defined (as
+    :func:`hvd_scalecom.torch.clt_k.selection_of_nonfinite`)."""
+    finite = tf.reduce_all(tf.math.is_finite(grad))
+    return tf.cond(finite, lambda: error_compensated(memory, grad), lambda: tf.identity(memory))
 
 
 def select_top_k(p, k, selection="exact", index_dtype=tf.int32):

@@ -403,10 +403,11 @@ class ScaleCom(tf.Module, Compressor):
         return self._share(slot, mine, leader, rank, size, index_dtype, name), wait_from
 
     def _leader_choice(self, slot, tensor, leader, rank, index_dtype):
-        """The top-k indices of ``p = m + g`` on the leader; a placeholder elsewhere."""
+        """The top-k indices of ``p = m + g`` on the leader (of ``m`` where ``g`` is not finite:
+        :func:`clt_k.selection_source`); a placeholder elsewhere."""
 
         def leader_top_k():
-            p = clt_k.error_compensated(slot.memory, tensor)
+            p = clt_k.selection_source(slot.memory, tensor)
             return clt_k.select_top_k(p, slot.k, self.config.selection, index_dtype)
 
         def not_leader():

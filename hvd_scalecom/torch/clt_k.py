@@ -4,7 +4,8 @@ by the simulator (``hvd_scalecom.sim``).
 Notation of Chen et al. (NeurIPS 2020), Algorithm 1, for one tensor on rank i at step t:
 
 1. ``p_i = m_i + g_i``                                   (error-compensated gradient)
-2. ``I = top_k(|p_j|)`` on the leader j                   (CLT-k, :func:`select_top_k`)
+2. ``I = top_k(|p_j|)`` on the leader j                   (CLT-k, :func:`select_top_k`; ``top_k(|m_j|)``
+   where ``g_j`` is not finite, :func:`selection_of_nonfinite`)
 3. ``v_i = p_i[I]``, averaged over ranks                  (:func:`take`)
 4. ``m_i <- (1 - beta) m_i + beta (p_i - scatter(I, v_i))`` (low-pass filter, :func:`filter_memory_`)
 5. the update applies ``scatter(I, mean_i v_i)``          (:func:`scatter_dense`)
@@ -106,11 +107,26 @@ def _sampled_selection(p, k):
 def select_top_k_of_sum(memory, grad, k, selection="exact", scratch=None):
     """Steps 1-2 on the leader: ``select_top_k(m + g, k, selection)``, with ``p`` formed in
     ``scratch`` (see :func:`error_compensated_into`) or a new tensor, except where the C kernels
-    apply (see :func:`select_and_take`)."""
+    apply (see :func:`select_and_take`). Where ``g`` is not finite, ``select_top_k(m, k, selection)``
+    (see :func:`selection_of_nonfinite`)."""
     selected = _native_select_of_sum(memory, grad, k, selection)
     if selected is not None:
-        return selected[0]
+        return selected[0] if selected[2] else selection_of_nonfinite(memory, k, selection)
+    if not all_finite(grad):
+        return selection_of_nonfinite(memory, k, selection)
     return _select_of_sum(memory, grad, k, selection, scratch)
+
+
+def selection_of_nonfinite(memory, k, selection="exact"):
+    """Step 2 on a leader whose gradient holds a NaN or Inf: ``I = top_k(|m_j|)``, as if ``g_j`` were 0.
+
+    Such a leader sends NaN (:func:`take_checking`), so every rank's reduction is non-finite and
+    keeps its memory (:func:`filter_and_scatter_`): the step leaves ``m_j`` as the memory, and its
+    top-k is what I is chosen from. ``top_k(|m + g|)`` would not be defined: ``torch.topk`` ranks
+    NaN first, the threshold pass never takes one, and both take an Inf; a pipelined step (the
+    leader of step t + 1 selects at step t) would then spend step t + 1 on the positions of step
+    t's NaN, or on k arbitrary ones after an all-NaN gradient (an fp16 overflow)."""
+    return select_top_k(memory, k, selection)
 
 
 class Cut(NamedTuple):
@@ -149,7 +165,8 @@ def select_and_take(memory, grad, k, selection="exact", scratch=None, index_dtyp
     CPU tensors this is one read-only pass in C that compares ``|m + g|`` as it reads m and g
     (``p`` never exists) and keeps ``p`` of the candidates; ``I`` comes ascending, with its cut,
     written in ``index_dtype`` by the kernel. Otherwise :func:`select_top_k_of_sum`, then
-    :func:`take_checking`."""
+    :func:`take_checking`. Where ``g`` is not finite, I is ``top_k(|m|)`` instead
+    (:func:`selection_of_nonfinite`), found after the selection of ``m + g`` showed it."""
     if index_dtype is not torch.int64 and index_dtype is not torch.int32:
         raise ValueError(f"index_dtype must be torch.int64 or torch.int32, got {index_dtype}")
     if k < 0:
@@ -158,15 +175,24 @@ def select_and_take(memory, grad, k, selection="exact", scratch=None, index_dtyp
         raise ValueError(f"index_dtype torch.int32 cannot index a tensor of {memory.numel()} entries "
                          f"(at most {config.INT32_INDEX_MAX_NUMEL}): use torch.int64")
     selected = _native_select_of_sum(memory, grad, k, selection, index_dtype)
-    if selected is not None:
+    if selected is not None and selected[2]:
         indices, values, finite, (kth, ties) = selected
         with_cut = (native.library().has_cut_pass and memory.numel() >= _CUT_MIN_NUMEL
                     and not grad.is_inference())  # (inference tensors have no version counter)
         return indices, Taken(values, finite, cut=Cut(kth, ties, grad._version) if with_cut else None)
-    indices = _select_of_sum(memory, grad, k, selection, scratch)
-    if indices.is_cpu:  # ascending, the order the C passes (and the CPU's caches) go fastest in
-        indices = indices.sort().values
-    return _flat(indices, index_dtype), take_checking(memory, grad, indices)
+    taken = None
+    if selected is None:
+        indices = _ascending(_select_of_sum(memory, grad, k, selection, scratch))
+        taken = take_checking(memory, grad, indices)
+    if taken is None or not taken.finite:  # g not finite: I from m alone (selection_of_nonfinite)
+        indices = _ascending(selection_of_nonfinite(memory, k, selection))
+        taken = take_checking(memory, grad, indices)
+    return _flat(indices, index_dtype), taken
+
+
+def _ascending(indices):
+    """CPU indices ascending, the order the C passes (and the CPU's caches) go fastest in."""
+    return indices.sort().values if indices.is_cpu else indices
 
 
 def _select_of_sum(memory, grad, k, selection, scratch):

@@ -23,6 +23,16 @@ vector, sketched as one ``r x c`` count sketch; the equations are those of
    NaN, and the non-finite entries of u and v are reset to 0 (``stats()["nonfinite_skips"]``); so
    are those of a dense tensor's u once it is sent.
 
+In a warm-up step the sketched tensors are reduced densely, ``mean_i u_i`` with ``u <- rho u + g``,
+in the same frame: their ``compress`` returns the probe, and the step's last one posts the whole of
+``u`` as ``allreduce.sketched_sgd.sketch`` (a Sum; ``decompress`` divides by n and applies the
+probe). So the optimizer's own allreduces carry the same shapes on both sides of the end of warm-up,
+and ranks whose step counters lie on either side of it (a ``load_state_dict()`` of another step on
+one rank) meet in that one collective with different shapes (a flat vector against the ``r x c``
+table): Horovod fails it on every rank, and every rank's ``decompress`` raises an error that names
+the cause, where the optimizer's allreduce of a probe against a dense gradient failed with Horovod's
+bare "Mismatched ALLREDUCE tensor shapes". No collective is added, in warm-up or after.
+
 Why no hook order can deadlock: nothing in ``compress`` waits (round 1 is posted, not waited for; the
 configuration check at the very first ``compress`` is the one exception, and every rank reaches its
 first ``compress`` without waiting on anything). Horovod calls every ``compress`` of a step, from hooks
@@ -36,11 +46,13 @@ scales the applied update (the paper's ``v <- v + lr u`` with a constant learnin
 :meth:`SketchedSGD.check_optimizer` raises if it is not.
 """
 
+import functools
 import time
 import warnings
 
 import torch
 import horovod.torch as hvd
+from horovod.common.exceptions import HorovodInternalError
 from horovod.torch.compression import Compressor
 
 from hvd_scalecom.agreement import DTYPES_HINT, dtype_names, shapes_digest
@@ -66,10 +78,11 @@ class _Round:
     step's last one is, their gradients: u and v take them in all at once, so that a step that never
     completes leaves them as they were), the round-1 table in flight, and (after round 2) the update."""
 
-    __slots__ = ("t", "compressed", "pending", "decompressed", "table", "handle", "update")
+    __slots__ = ("t", "warmup", "compressed", "pending", "decompressed", "table", "handle", "update")
 
-    def __init__(self, t):
+    def __init__(self, t, warmup):
         self.t = t
+        self.warmup = warmup  # a warm-up step: the table is the whole momentum u, reduced densely
         self.compressed = set()
         self.pending = []
         self.decompressed = 0
@@ -150,7 +163,7 @@ class SketchedSGD(Compressor):
             raise TypeError(f"SketchedSGD compresses floating-point gradients; the gradient of "
                             f"{self._names[i]!r} is {tensor.dtype}")
         t = self._steps[i]
-        sketched = i in self._offset and t >= self.config.warmup_steps
+        sketched = i in self._offset  # (in warm-up too: the step's last sketched tensor reduces u whole)
         r = self._round_for(i, t) if sketched else None  # (a tensor out of lockstep: refused, nothing changed)
         # (the scale changes between steps: the step's first compress rescales every tensor's state)
         self._scale = follow_loss_scale([self._u, self._v, *self._dense_u.values()], self._scale,
@@ -161,7 +174,7 @@ class SketchedSGD(Compressor):
         self._steps[i] = t + 1
         dense_bytes = tensor.numel() * wire_dtype(tensor.dtype).itemsize  # (what Horovod can reduce: bf16 as fp32)
         if not sketched:
-            u = self._momentum_of(i, tensor)
+            u = self._dense_momentum(i, tensor)
             momentum_(u, tensor, self.config.momentum)                    # u <- rho u + g
             sent, ctx = dense_on_the_wire(u, tensor.dtype, copy=True)  # fresh: reduced in place
             reset_nonfinite_(u)  # (once sent: a non-finite gradient reaches the optimizer, not u)
@@ -174,7 +187,16 @@ class SketchedSGD(Compressor):
         r.pending.append((i, tensor))  # (Horovod reduces the probe: the gradient stays as it is until decompress)
         probe = torch.ones(1, dtype=wire_dtype(tensor.dtype), device=tensor.device)
         value_bytes = probe.element_size()
-        if len(r.compressed) == len(self._sketched):  # the step's last sketched tensor: round 1
+        warm_bytes = tensor.numel() * self._warmup_dtype().itemsize if r.warmup else 0  # (its part of u)
+        if len(r.compressed) == len(self._sketched) and r.warmup:  # the step's last: u reduced whole
+            for j, grad in r.pending:
+                part = self._u[self._offset[j]:self._offset[j] + grad.numel()]
+                momentum_(part, grad, self.config.momentum)                  # u <- rho u + g
+            r.pending = None
+            r.table = self._u.to(self._warmup_dtype(), copy=True)  # (fresh: reduced in place)
+            reset_nonfinite_(self._u)  # (once sent: a non-finite gradient reaches the optimizer, not u)
+            r.handle = hvd.allreduce_async_(r.table, name=SKETCH_NAME, op=hvd.Sum, **self._ps_kwargs())
+        elif len(r.compressed) == len(self._sketched):  # the step's last sketched tensor: round 1
             for j, grad in r.pending:  # u, v on each slice
                 part = slice(self._offset[j], self._offset[j] + grad.numel())
                 accumulate_(self._u[part], self._v[part], grad, self.config.momentum)
@@ -182,7 +204,7 @@ class SketchedSGD(Compressor):
             r.table = self._sketch.sketch(self._v)
             r.handle = hvd.allreduce_async_(r.table, name=SKETCH_NAME, op=hvd.Sum, **self._ps_kwargs())
             value_bytes += r.table.numel() * self._v.element_size()  # (round 2's candidates: once sent)
-        self.traffic.record(t, value_bytes=value_bytes, uncompressed_bytes=dense_bytes,
+        self.traffic.record(t, value_bytes=value_bytes, dense_bytes=warm_bytes, uncompressed_bytes=dense_bytes,
                             compress_seconds=time.perf_counter() - start)
         return probe, (i, t, tensor.shape, tensor.dtype)
 
@@ -238,7 +260,7 @@ class SketchedSGD(Compressor):
         Keys as ScaleCom's: ``step``, ``index_bytes`` (always 0: candidates are found from the reduced
         sketch on every rank, no index travels), ``value_bytes`` (sketch ``r c`` + candidates
         ``P k`` entries of the sketched vector's dtype, fp32 or wider, + a probe per sketched tensor, in
-        the probe's dtype), ``dense_bytes`` (the momentum of
+        the probe's dtype; in warm-up the probes alone), ``dense_bytes`` (the momentum of
         the other tensors, and of all during warm-up), ``sent_bytes``, ``uncompressed_bytes``,
         ``ratio``, ``compress_seconds``, ``index_wait_seconds`` (the waits for round 1's and round 2's
         allreduces, which ``compress_seconds`` leaves out), ``tensors``; ``wire_bytes``, what
@@ -354,11 +376,8 @@ class SketchedSGD(Compressor):
         r = self._round
         return r is None or i not in r.compressed
 
-    def _momentum_of(self, i, tensor):
-        """The flat momentum of parameter ``i``: its slice of the sketched vector's, or its own."""
-        if i in self._offset:
-            self._buffers(tensor)
-            return self._u[self._offset[i]:self._offset[i] + tensor.numel()]
+    def _dense_momentum(self, i, tensor):
+        """The flat momentum of parameter ``i``, one that is not sketched."""
         if i not in self._dense_u:
             self._dense_u[i] = torch.zeros(tensor.numel(), dtype=clt_k.memory_dtype(tensor.dtype),
                                            device=tensor.device)
@@ -366,6 +385,11 @@ class SketchedSGD(Compressor):
 
     def _sketched_dtype(self):
         return vector_dtype([self._params[i].dtype for i in self._sketched])
+
+    def _warmup_dtype(self):
+        """The dtype a warm-up step's u travels in: the sketched gradients' wire dtypes, promoted (each
+        gradient's own where they agree, as the optimizer's dense allreduce would send it)."""
+        return functools.reduce(torch.promote_types, [wire_dtype(self._params[i].dtype) for i in self._sketched])
 
     def _buffers(self, tensor):
         if self._u is None:
@@ -383,12 +407,28 @@ class SketchedSGD(Compressor):
                 f"frozen after SketchedSGD was built but before the optimizer, no sparse gradients "
                 f"without sparse_as_dense=True).")
         if r is None:
-            r = self._round = _Round(t)
+            r = self._round = _Round(t, t < self.config.warmup_steps)
         return r
+
+    def _mismatch_message(self, r, i, err):
+        """The error of a step whose ``sketched_sgd.sketch`` allreduce Horovod failed for mismatched
+        shapes or dtypes: the ranks' step counters lie on either side of the end of warm-up."""
+        warmup = self.config.warmup_steps
+        mine, theirs = (("in warm-up: it sent the whole momentum u, reduced densely", "past warm-up: its "
+                         "r x c sketch") if r.warmup else
+                        ("past warm-up: it sent its r x c sketch", "in warm-up: the whole momentum u"))
+        return (f"SketchedSGD: the ranks' step counters differ on either side of the end of warm-up "
+                f"(warmup_steps={warmup}), so they reduced {self._names[i]!r} and the other sketched tensors "
+                f"in different ways: this rank is at step {r.t}, {mine}, as 'sketched_sgd.sketch', and another "
+                f"rank is {theirs}. A load_state_dict() of another step on some ranks does this: restore every "
+                f"rank from a state_dict() of the same step (this step's gradients are in this rank's momentum "
+                f"and error accumulation, and its step counters have moved on). Horovod: {err}")
 
     def _second_round(self, r, i):
         """Round 1's result, the candidates, round 2, and the step's update; zeroes u and v at I (a
         non-finite reduced sketch skips round 2 on every rank: :func:`sketched_steps.skip_nonfinite_`).
+        In warm-up, ``sum_i u_i / n`` alone. A round 1 that Horovod failed for mismatched shapes or
+        dtypes (ranks on either side of the end of warm-up) raises :meth:`_mismatch_message`'s error.
         Returns the seconds spent waiting for the two allreduces. ``i``: the tensor decompressed."""
         if r.handle is None:  # u and v have not taken in this step's gradients: the step never happened
             missing = [self._names[j] for j in self._sketched if j not in r.compressed]
@@ -406,8 +446,19 @@ class SketchedSGD(Compressor):
                 f"built but before the optimizer, or sparse gradients without sparse_as_dense=True, are "
                 f"not: freeze parameters before building both).")
         wait_from = time.perf_counter()
-        hvd.synchronize(r.handle)                                                # S = sum_i S(v_i)
+        try:
+            hvd.synchronize(r.handle)                                  # S = sum_i S(v_i) (warm-up: sum_i u_i)
+        except HorovodInternalError as err:
+            self._round = None
+            if "Mismatched" not in str(err):
+                raise
+            raise RuntimeError(self._mismatch_message(r, i, err)) from err
         waited = time.perf_counter() - wait_from
+        if r.warmup:  # dense momentum SGD: mean_i u_i
+            r.update = r.table.to(self._v.dtype) / self._size()
+            r.table = r.handle = None
+            self.last_indices = None
+            return waited
         if not clt_k.all_finite(r.table):  # the same table on every rank: all skip round 2
             r.update = skip_nonfinite_(self._u, self._v, self.numel, dtype=self._v.dtype)
             r.table = r.handle = None

@@ -153,14 +153,14 @@ if not opts.get("skip_broadcast"):  # (the common seed alone: ranks whose dtypes
     hvd.broadcast_parameters({n: v for n, v in model.state_dict().items()
                               if v.is_contiguous() and v.dtype is not torch.bfloat16}, root_rank=0)
 
-poison = opts.get("poison")  # {"rank", "step", "value"}: one entry of hidden.weight's gradient
+poison = opts.get("poison")  # {"rank", "step", "value"[, "index"]}: entry 7 (or "all") of hidden.weight's gradient
 current_step = [-1]  # the step whose loss.backward() is running (-1: none)
 if poison and rank == poison["rank"]:
     def inject(grad):
         if current_step[0] != poison["step"]:
             return grad
         grad = grad.clone()
-        grad.view(-1)[poison.get("index", 7)] = float(poison["value"])
+        grad.view(-1)[slice(None) if poison.get("index") == "all" else poison.get("index", 7)] = float(poison["value"])
         return grad
     model.hidden.weight.register_hook(inject)
 

@@ -5,7 +5,9 @@ argv: JSON options, output directory. Writes ``rank<R>.npz`` with, per step t an
 ``applied/<t>/<name>`` (the gradient the optimizer applied), ``stats/<t>`` (``stats(step=t)`` as JSON),
 ``final/<name>`` (weights) and ``stats`` (``stats()`` after the last step). With ``skew_steps``
 (``{rank: step}``) those ranks start from a state of that step and ``refused`` holds the error of the
-first step; with ``loss_scales`` (one per step) the loss is scaled, ``loss_scaler=`` follows it, and the
+first step; with ``skew_steps_at`` (``{rank: step}``) at the top of that step those ranks' step
+counters move one ahead, through their own ``state_dict()`` and ``load_state_dict()``, and ``refused``
+holds the error of the step; with ``loss_scales`` (one per step) the loss is scaled, ``loss_scaler=`` follows it, and the
 reduced gradients are divided by it before the step (``applied``: unscaled); with ``frozen`` (a name)
 that parameter is frozen before SketchedSGD and the optimizer are built (no ``applied`` entries).
 ``per_rank`` (``{rank: options}``) applies to every option (``dtype`` too; ``no_loss_scaler``: the loss
@@ -112,6 +114,11 @@ def poisoned(grad):
 record = {}
 first_step = opts.get("first_step", 0)
 for t in range(first_step, first_step + opts.get("steps", 6)):
+    if opts.get("skew_steps_at", {}).get(str(rank)) == t:  # a state of the next step, mid-job
+        skewed = compression.state_dict()
+        for entry in skewed["params"].values():
+            entry["step"] += 1
+        compression.load_state_dict(skewed)
     raw = [torch.zeros_like(p) for p in params]
     if scaler is not None:
         scaler.scale = opts["loss_scales"][t - first_step]
@@ -162,6 +169,12 @@ for t in range(first_step, first_step + opts.get("steps", 6)):
             p.grad.div_(scaler.scale)
         with optimizer.skip_synchronize():
             optimizer.step()
+    elif opts.get("skew_steps_at"):
+        try:
+            optimizer.step()
+        except RuntimeError as err:
+            record["refused"] = np.array(str(err))
+            break
     elif not nan_at:
         optimizer.step()
     else:  # a non-finite reduced gradient skips the step, as a loss scaler would
