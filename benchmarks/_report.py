@@ -5,6 +5,8 @@
 text between its ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` markers and leaves the rest alone.
 """
 
+import argparse
+import math
 import os
 import platform
 import shlex
@@ -17,8 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 HEADER = """# Performance
 
-Measured on this project's machine (2 shared cores, no GPU); every figure is a median of repeated
-runs taken side by side in one process or job, and each section names the command that made it.
+Each section names the command that made it and what it ran on; its timings are medians of repeated
+runs taken side by side in one process or job.
 """
 
 
@@ -37,6 +39,36 @@ def cpu():
     flags = field.get("flags", "").split()
     return f"{field.get('model name', platform.processor() or 'unknown CPU')}, " + \
         ("AVX-512" if "avx512f" in flags else "without AVX-512")
+
+
+def number(kind=int, *, minimum=None, above=None, maximum=None):
+    """An argparse ``type``: a ``kind`` (int or float) within the bounds given, so that a value out of
+    them is refused with argparse's error naming the option, before anything runs (a 0 given for a
+    count is not taken for "the default")."""
+    bounds = [f">= {minimum}" if minimum is not None else None, f"> {above}" if above is not None else None,
+              f"<= {maximum}" if maximum is not None else None]
+    wanted = " and ".join(b for b in bounds if b)
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if (isinstance(value, float) and not math.isfinite(value)) or \
+                (minimum is not None and value < minimum) or (above is not None and value <= above) or \
+                (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"must be a finite number {wanted}, got {text}"
+                                             if kind is float else f"must be an integer {wanted}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # (argparse names the kind in its own messages)
+    return parse
+
+
+COUNT = number(int, minimum=1)
+RATIO = number(float, above=0, maximum=1)
+SECONDS = number(float, above=0)
 
 
 def output_path(given, smoke, *default):
@@ -60,8 +92,10 @@ def replace_section(path, name, body):
     else:
         text = text.rstrip("\n") + "\n\n" + block
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
+    partial = f"{path}.partial"  # (replaced whole: an interrupted write leaves the page as it was)
+    with open(partial, "w") as f:
         f.write(text)
+    os.replace(partial, path)
 
 
 def interleaved(variants, rounds, references, prepare=None):

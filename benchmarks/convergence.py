@@ -32,7 +32,7 @@ import time
 import torch
 
 from benchmarks import convergence_report
-from benchmarks._report import command_line, output_path
+from benchmarks._report import COUNT, command_line, output_path
 from benchmarks.convergence_schemes import SCHEMES, Recipe, match_knob, scalecom_bytes, train
 from benchmarks.convergence_tasks import TASKS
 
@@ -151,7 +151,7 @@ def main(argv=None):
     ap.add_argument("--resume", action="store_true", help="reuse runs already in the JSON")
     ap.add_argument("--no-horovod", action="store_true", help="skip the horovodrun comparison")
     ap.add_argument("--out-dir", default=None, help="default: docs/ (a temporary directory in --smoke)")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=COUNT, default=1)
     args = ap.parse_args(argv)
     args.out_dir = args.out_dir or os.path.dirname(output_path(None, args.smoke, "convergence.json"))
     command = command_line("convergence", argv)

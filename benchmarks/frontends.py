@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks._report import command_line, output_path
+from benchmarks._report import command_line, number, output_path
 from hvd_scalecom.launch import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,7 +80,7 @@ def markdown(rows, seeds, command, epochs=25):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="one seed, 1 epoch, scalecom only")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    ap.add_argument("--seeds", type=number(int, minimum=0), nargs="+", default=[0, 1, 2, 3, 4])
     ap.add_argument("--dense", action="store_true", help="also run each example dense")
     ap.add_argument("--report-only", action="store_true", help="rewrite the page from its JSON")
     ap.add_argument("--out", default=None, help="default: docs/frontends.md (a temporary file in --smoke)")

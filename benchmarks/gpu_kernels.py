@@ -43,7 +43,7 @@ import sys
 import torch
 
 from benchmarks import kernels
-from benchmarks._report import command_line, interleaved, output_path, replace_section
+from benchmarks._report import COUNT, RATIO, command_line, interleaved, number, output_path, replace_section
 from hvd_scalecom import sim
 from hvd_scalecom.config import ScaleComConfig
 from hvd_scalecom.native import torch_operations
@@ -278,9 +278,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", help="torch device (default cuda; cpu for the smoke test)")
     ap.add_argument("--smoke", action="store_true", help="one tensor of 65,536 entries, 3 rounds, into a temp dir")
-    ap.add_argument("--sizes", type=int, nargs="+", default=None, help="entries per tensor (default 2^20 and 25M)")
-    ap.add_argument("--ratios", type=float, nargs="+", default=None, help="default 0.01 and 0.001")
-    ap.add_argument("--rounds", type=int, default=None, help="rounds per variant (default 50; 3 with --smoke)")
+    ap.add_argument("--sizes", type=number(int, minimum=1024), nargs="+", default=None, help="entries per tensor (default 2^20 and 25M)")
+    ap.add_argument("--ratios", type=RATIO, nargs="+", default=None, help="default 0.01 and 0.001")
+    ap.add_argument("--rounds", type=COUNT, default=None, help="rounds per variant (default 50; 3 with --smoke)")
     ap.add_argument("--out", default=None, help="markdown file (default docs/performance.md)")
     ap.add_argument("--json", default=None, help="also write the results there")
     args = ap.parse_args(argv)

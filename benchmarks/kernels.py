@@ -43,7 +43,7 @@ import sys
 
 import torch
 
-from benchmarks._report import interleaved, output_path, replace_section, shown_arguments
+from benchmarks._report import COUNT, RATIO, interleaved, number, output_path, replace_section, shown_arguments
 from hvd_scalecom import native
 from hvd_scalecom.config import ScaleComConfig
 from hvd_scalecom.native import torch_operations
@@ -317,9 +317,9 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="two small tensors (1e5 and 2^19 entries), two rounds")
     ap.add_argument("--out", default=None, help="default: docs/performance.md (a temporary file in --smoke)")
     ap.add_argument("--plot", default=None, help="PNG path (default: docs/kernels.png; none in --smoke)")
-    ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--sizes", type=int, nargs="+", default=None)
-    ap.add_argument("--ratios", type=float, nargs="+", default=[0.01, 0.001])
+    ap.add_argument("--rounds", type=COUNT, default=None)
+    ap.add_argument("--sizes", type=number(int, minimum=1024), nargs="+", default=None)
+    ap.add_argument("--ratios", type=RATIO, nargs="+", default=[0.01, 0.001])
     ap.add_argument("--environments", nargs="+", default=["default"], choices=list(ENVIRONMENTS))
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

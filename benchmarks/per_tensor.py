@@ -22,7 +22,7 @@ import tempfile
 import torch
 
 from benchmarks import kernels
-from benchmarks._report import command_line, cpu, output_path, replace_section
+from benchmarks._report import COUNT, command_line, cpu, number, output_path, replace_section
 from hvd_scalecom.launch import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,9 +87,9 @@ def markdown(result, command):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="4 tensors of 4,096 entries, 3 steps, into a temp dir")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 40; 3 with --smoke)")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5; 1 with --smoke)")
-    ap.add_argument("--rounds", type=int, default=None, help="rounds of the clt_k timing (default 400)")
+    ap.add_argument("--steps", type=COUNT, default=None, help="timed steps (default 40; 3 with --smoke)")
+    ap.add_argument("--warmup", type=number(int, minimum=0), default=None, help="untimed steps first (default 5; 1 with --smoke)")
+    ap.add_argument("--rounds", type=COUNT, default=None, help="rounds of the clt_k timing (default 400)")
     ap.add_argument("--out", default=None, help="markdown file (default docs/performance.md)")
     args = ap.parse_args(argv)
     sizes, tensors = ([4096], [4]) if args.smoke else (SIZES, TENSORS)

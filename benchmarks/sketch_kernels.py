@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from benchmarks._report import command_line, output_path, replace_section
+from benchmarks._report import COUNT, command_line, output_path, replace_section
 from benchmarks._slow_link_worker import make_model
 from benchmarks.slow_link import DEFAULT_JOBS, DEFAULT_WIDTHS
 from hvd_scalecom import native
@@ -97,10 +97,10 @@ def markdown(args, ms, ratio, command, load):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--numel", type=int, default=None, help="default: the slow-link job's")
-    parser.add_argument("--rows", type=int, default=None, help="default: the slow-link job's")
-    parser.add_argument("--columns", type=int, default=None, help="default: the slow-link job's")
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--numel", type=COUNT, default=None, help="default: the slow-link job's")
+    parser.add_argument("--rows", type=COUNT, default=None, help="default: the slow-link job's")
+    parser.add_argument("--columns", type=COUNT, default=None, help="default: the slow-link job's")
+    parser.add_argument("--rounds", type=COUNT, default=7)
     parser.add_argument("--smoke", action="store_true", help="100,000 entries, 2 rounds")
     parser.add_argument("--out", default=None, help="default: docs/performance.md (a temporary file in --smoke)")
     args = parser.parse_args(argv)

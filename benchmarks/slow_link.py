@@ -44,7 +44,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks._report import output_path, replace_section, shown_arguments
+from benchmarks._report import COUNT, SECONDS, number, output_path, replace_section, shown_arguments
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "benchmarks", "_slow_link_worker.py")
@@ -178,6 +178,41 @@ def horovod_job(namespace, workers, spec, timeout):
         raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n"
                            f"{(proc.stdout + proc.stderr)[-6000:]}")
     return rows[0]
+
+
+def json_object(text):
+    """An argparse ``type``: a JSON object (a scheme's keyword arguments)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object of keyword arguments, got {text!r}")
+    return value
+
+
+def job(text):
+    """An argparse ``type``: ``NAME`` or ``NAME:JSON``, NAME a scheme the worker knows, JSON an object."""
+    from benchmarks._slow_link_worker import COMPRESSORS, OPTIMIZER_WRAPPERS
+    name, colon, raw = text.partition(":")
+    known = sorted({*COMPRESSORS, *OPTIMIZER_WRAPPERS})
+    if name not in known:
+        raise argparse.ArgumentTypeError(f"unknown scheme {name!r} in {text!r}: NAME or NAME:JSON, NAME one of "
+                                         f"{', '.join(known)}")
+    if colon:
+        json_object(raw)
+    return text
+
+
+def widths(text):
+    """An argparse ``type``: the MLP's layer widths, ``IN,HIDDEN,...,OUT``, at least two, each >= 1."""
+    try:
+        values = [int(w) for w in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) < 2 or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"must be two or more comma-separated integers >= 1, got {text!r}")
+    return values
 
 
 def parse_job(text, scalecom_kwargs):
@@ -362,16 +397,16 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny model, 1gbit, 2 workers, one step, dense and ScaleCom 0.01")
     ap.add_argument("--rates", nargs="+", default=None, choices=list(SHAPES))
-    ap.add_argument("--workers", type=int, nargs="+", default=None)
-    ap.add_argument("--jobs", nargs="+", default=None, help="NAME or NAME:JSON (see module doc)")
-    ap.add_argument("--scalecom-kwargs", type=json.loads, default={},
+    ap.add_argument("--workers", type=COUNT, nargs="+", default=None)
+    ap.add_argument("--jobs", type=job, nargs="+", default=None, help="NAME or NAME:JSON (see module doc)")
+    ap.add_argument("--scalecom-kwargs", type=json_object, default={},
                     help="JSON merged into every ScaleCom job's constructor arguments")
-    ap.add_argument("--widths", type=lambda s: [int(w) for w in s.split(",")], default=None)
-    ap.add_argument("--batch", type=int, default=8, help="per worker")
-    ap.add_argument("--warmup", type=int, default=None)
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--repeats", type=int, default=None, help="runs of each job (default 2; 1 in --smoke)")
-    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--widths", type=widths, default=None)
+    ap.add_argument("--batch", type=COUNT, default=8, help="per worker")
+    ap.add_argument("--warmup", type=number(int, minimum=0), default=None)
+    ap.add_argument("--steps", type=COUNT, default=None)
+    ap.add_argument("--repeats", type=COUNT, default=None, help="runs of each job (default 2; 1 in --smoke)")
+    ap.add_argument("--timeout", type=SECONDS, default=900)
     ap.add_argument("--out", default=None, help="default: docs/performance.md (a temporary file in --smoke)")
     ap.add_argument("--plot", default=None, help="PNG path (default: docs/slow_link.png; none in --smoke)")
     args = ap.parse_args(argv)

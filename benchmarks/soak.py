@@ -284,13 +284,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="-np 2, 20 steps, output into a temp dir")
     ap.add_argument("--framework", choices=["torch", "tensorflow"], default="torch")
-    ap.add_argument("--np", type=int, default=None, help="workers (default 4; 2 with --smoke)")
-    ap.add_argument("--steps", type=int, default=None, help="default 2000; 20 with --smoke")
-    ap.add_argument("--every", type=int, default=None,
+    ap.add_argument("--np", type=_report.COUNT, default=None, help="workers (default 4; 2 with --smoke)")
+    ap.add_argument("--steps", type=_report.COUNT, default=None, help="default 2000; 20 with --smoke")
+    ap.add_argument("--every", type=_report.COUNT, default=None,
                     help="record every N steps (default 20; 5 with --smoke)")
-    ap.add_argument("--warmup", type=int, default=None,
+    ap.add_argument("--warmup", type=_report.number(int, minimum=0), default=None,
                     help="steps before the RSS reference (default steps / 10)")
-    ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--timeout", type=_report.SECONDS, default=3600)
     ap.add_argument("--out-dir", default=None, help="default docs/ (a new temp dir with --smoke)")
     ap.add_argument("--report-only", action="store_true",
                     help="derive every figure again from the JSON's records")
@@ -308,9 +308,6 @@ def main(argv=None):
     args.steps = args.steps or (20 if smoke else 2000)
     args.every = args.every or (5 if smoke else 20)
     args.warmup = args.steps // 10 if args.warmup is None else args.warmup
-    for name in ("np", "steps", "every"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be at least 1")
     if not 0 <= args.warmup < args.steps:
         ap.error("--warmup must be in [0, steps)")
     out_dir = args.out_dir or (tempfile.mkdtemp(prefix="soak-") if smoke else os.path.join(ROOT, "docs"))

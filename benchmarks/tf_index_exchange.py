@@ -22,7 +22,7 @@ import statistics
 import sys
 import tempfile
 
-from benchmarks._report import command_line, output_path
+from benchmarks._report import COUNT, command_line, output_path
 from hvd_scalecom.launch import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,9 +42,9 @@ def job(workers, mode, epochs):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="2 workers, 1 epoch, 1 repeat")
-    ap.add_argument("--workers", type=int, nargs="+", default=[2, 3])
-    ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--workers", type=COUNT, nargs="+", default=[2, 3])
+    ap.add_argument("--epochs", type=COUNT, default=3)
+    ap.add_argument("--repeats", type=COUNT, default=3)
     ap.add_argument("--out", default=None, help="default: docs/tf_index_exchange.md (a temporary file in --smoke)")
     args = ap.parse_args(argv)
     args.out = output_path(args.out, args.smoke, "tf_index_exchange.md")

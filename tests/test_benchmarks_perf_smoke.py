@@ -126,3 +126,31 @@ def test_gpu_kernels_smoke_on_the_cpu(tmp_path):
         stdout = subprocess.run([sys.executable, "-m", "benchmarks.gpu_kernels", "--smoke", "--out", str(out)],
                                 cwd=ROOT, capture_output=True, text=True, timeout=120, check=True).stdout
         assert "no CUDA device here" in stdout
+
+
+@pytest.mark.parametrize("module, argv, option", [
+    ("kernels", ["--sizes", "0"], "--sizes"),  # (divided by zero)
+    ("kernels", ["--ratios", "nan"], "--ratios"),
+    ("kernels", ["--rounds", "0"], "--rounds"),  # (no median of nothing)
+    ("per_tensor", ["--steps", "0"], "--steps"),  # (ran its default 40 steps)
+    ("sketch_kernels", ["--rows", "0"], "--rows"),  # (timed an empty table)
+    ("gpu_kernels", ["--ratios", "1.5"], "--ratios"),
+    ("soak", ["--np", "0"], "--np"),  # (ran 4 workers)
+    ("soak", ["--timeout", "inf"], "--timeout"),
+    ("slow_link", ["--repeats", "0"], "--repeats"),  # (ran 2 of each job)
+    ("slow_link", ["--jobs", "dense", "sketchy"], "unknown scheme 'sketchy'"),  # (failed in the namespace)
+    ("slow_link", ["--jobs", "scalecom:{ratio: 0.1}"], "is not JSON"),
+    ("slow_link", ["--scalecom-kwargs", "[1]"], "--scalecom-kwargs"),
+    ("slow_link", ["--widths", "64"], "--widths"),
+    ("tf_index_exchange", ["--workers", "0"], "--workers"),
+    ("convergence", ["--threads", "0"], "--threads"),
+])
+def test_a_bad_argument_is_refused_naming_it_before_anything_runs(module, argv, option, tmp_path, capsys):
+    """argparse's exit 2 with the option named; nothing written (a 0 was taken for the default)."""
+    import importlib
+    main = importlib.import_module(f"benchmarks.{module}").main
+    out = tmp_path / "out.md"
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--out" if module not in ("soak", "convergence") else "--out-dir", str(out)])
+    assert exit_.value.code == 2 and option in capsys.readouterr().err
+    assert not out.exists()
