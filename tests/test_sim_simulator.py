@@ -188,6 +188,15 @@ def test_per_worker_gradients_refuse_batch_norm_in_training_mode():
     assert torch.equal(model[1].running_mean, torch.zeros(8))  # the statistics are read, not updated
 
 
+def test_per_worker_gradients_refuse_batches_of_another_number_of_workers():
+    model = mlp([6, 8, 3])
+    sim = Simulator(Dense(), 3, model.named_parameters())
+    x, y = torch.randn(3, 5, 6), torch.randint(0, 3, (3, 5))
+    for bad_x, bad_y, label in ((x[:2], y, "inputs"), (x, y[:2], "targets"), (x, y.tolist(), "targets")):
+        with pytest.raises(ValueError, match=f"{label} must be a tensor of \\(n, batch, ...\\) with n = 3"):
+            per_worker_gradients(model, torch.nn.functional.cross_entropy, sim.worker_params(), bad_x, bad_y)
+
+
 def test_per_worker_gradients_match_one_backward_per_worker():
     model = mlp([6, 16, 3])
     n = 5

@@ -13,7 +13,7 @@ def per_worker_gradients(model, loss_fn, worker_params, inputs, targets, names=N
     names: the model's parameters that ``worker_params`` hold, in order (``Simulator.names``); default:
         all of ``model.named_parameters()``. Parameters left out (say, frozen layers the Simulator was
         not given) keep the model's own values and get no gradient. ValueError where the count or a
-        shape does not match.
+        shape does not match, or where ``inputs`` or ``targets`` do not hold n batches.
     Buffers are the model's own, shared by all workers and read only: a model that updates them in
     its forward pass (batch norm in training mode) is refused; call ``model.eval()`` first.
     Random operations (dropout in training mode) draw independently for each worker, from torch's
@@ -35,6 +35,12 @@ def per_worker_gradients(model, loss_fn, worker_params, inputs, targets, names=N
         if tuple(stacked.shape[1:]) != tuple(own[name].shape):
             raise ValueError(f"per_worker_gradients: worker_params of {name!r} have shape {tuple(stacked.shape)}, "
                              f"the parameter {tuple(own[name].shape)} (expected (n, *shape), in the order of names)")
+    n = {int(stacked.shape[0]) for stacked in worker_params}
+    for label, batches in (("inputs", inputs), ("targets", targets)):
+        if not isinstance(batches, torch.Tensor) or batches.dim() < 1 or int(batches.shape[0]) not in n or len(n) > 1:
+            shape = tuple(batches.shape) if isinstance(batches, torch.Tensor) else type(batches).__name__
+            raise ValueError(f"per_worker_gradients: {label} must be a tensor of (n, batch, ...) with n = "
+                             f"{sorted(n)[0] if n else 0}, worker_params' first dimension, got {shape}")
     buffers = dict(model.named_buffers())
 
     def loss_of(params, x, y):
