@@ -6,6 +6,7 @@ text between its ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` markers and l
 """
 
 import argparse
+import atexit
 import math
 import os
 import platform
@@ -71,14 +72,61 @@ RATIO = number(float, above=0, maximum=1)
 SECONDS = number(float, above=0)
 
 
+def output_file(text):
+    """An argparse ``type``: a file a benchmark will write (its missing directories are made then), so
+    that a path that cannot be one is refused, naming the option, before anything runs and not when
+    the results are written: an existing directory, or a path under a file."""
+    path = os.path.abspath(text)
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text} is a directory; name a file in it")
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {parent} is not writable")
+    return text
+
+
+def smoke_directory(prefix="hvd_scalecom_smoke-"):
+    """A new temporary directory for a smoke run's output, removed at exit if nothing was written
+    into it (a run that skips, fails or is interrupted leaves no empty directory behind)."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(_remove_if_empty, path)
+    return path
+
+
+def _remove_if_empty(path):
+    try:
+        os.rmdir(path)
+    except OSError:  # (not empty: the run's output; or gone already)
+        pass
+
+
 def output_path(given, smoke, *default):
     """Where a benchmark writes: ``given`` if not None; else ``docs/<default...>``, except for a smoke
-    run, which writes into a new temporary directory (a smoke run never replaces a published page)."""
+    run, which writes into a new temporary directory (a smoke run never replaces a published page;
+    see :func:`smoke_directory`)."""
     if given is not None:
         return given
     if smoke:
-        return os.path.join(tempfile.mkdtemp(prefix="hvd_scalecom_smoke-"), *default)
+        return os.path.join(smoke_directory(), *default)
     return os.path.join(ROOT, "docs", *default)
+
+
+def write_text(path, text):
+    """Write ``text`` to ``path``, making its directory if missing; the file is replaced whole, so an
+    interrupted write leaves it as it was (no half-written file)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    partial = f"{path}.partial"
+    try:
+        with open(partial, "w") as f:
+            f.write(text)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
 
 
 def replace_section(path, name, body):
@@ -91,11 +139,7 @@ def replace_section(path, name, body):
         text = head + block + rest.split(end, 1)[1].lstrip("\n")
     else:
         text = text.rstrip("\n") + "\n\n" + block
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    partial = f"{path}.partial"  # (replaced whole: an interrupted write leaves the page as it was)
-    with open(partial, "w") as f:
-        f.write(text)
-    os.replace(partial, path)
+    write_text(path, text)  # (replaced whole: an interrupted write leaves the page as it was)
 
 
 def interleaved(variants, rounds, references, prepare=None):

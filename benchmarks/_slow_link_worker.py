@@ -52,6 +52,8 @@ COMPRESSORS = {"dense": _dense, "fp16": _fp16, "scalecom": _scalecom, "sketched"
 # Schemes that wrap the optimizer instead (name -> factory(model, optimizer, kwargs)): they
 # synchronise every few steps, so their step time and bytes are means over the timed steps.
 OPTIMIZER_WRAPPERS = {"qsparse": _qsparse}
+# Schemes whose factory takes no options (a JSON given to one is refused, not ignored).
+NO_OPTIONS = {"dense", "fp16"}
 # Sketched SGD keeps the momentum inside the sketch (Ivkin et al.): its optimizer has none.
 OWN_MOMENTUM = {"sketched"}
 

@@ -44,7 +44,12 @@ def scalecom_kwargs(args):
     """The ScaleCom options both examples share, from their parsed arguments."""
     return dict(ratio=args.ratio, beta=args.beta, warmup_steps=args.warmup_steps,
                 min_numel=args.min_numel, leader=args.leader, selection=args.selection,
-                value_dtype=args.value_dtype)
+                value_dtype=args.value_dtype, pipelined=args.pipelined)
+
+
+def learning_rate(args, size):
+    """The torch example's learning rate at ``size`` workers: ``--lr`` scaled by ``--lr-scaling``."""
+    return args.lr * (size if args.lr_scaling == "linear" else size ** 0.5)
 
 
 def torch_trainer(example_argv):
@@ -62,9 +67,8 @@ def torch_trainer(example_argv):
     x_train, y_train, _, _ = example.digits_split()
     shard_x, shard_y = x_train[rank::size], y_train[rank::size]
     model = example.make_model()
-    compression = ScaleCom(model.named_parameters(), index_dtype=args.index_dtype,
-                           pipelined=args.pipelined, **scalecom_kwargs(args))
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * size, momentum=args.momentum)
+    compression = ScaleCom(model.named_parameters(), index_dtype=args.index_dtype, **scalecom_kwargs(args))
+    optimizer = torch.optim.SGD(model.parameters(), lr=learning_rate(args, size), momentum=args.momentum)
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                          compression=compression)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks._report import command_line, number, output_path
+from benchmarks._report import command_line, number, output_file, output_path, write_text
 from hvd_scalecom.launch import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,23 +79,23 @@ def markdown(rows, seeds, command, epochs=25):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="one seed, 1 epoch, scalecom only")
-    ap.add_argument("--seeds", type=number(int, minimum=0), nargs="+", default=[0, 1, 2, 3, 4])
+    ap.add_argument("--smoke", action="store_true", help="seed 0, 1 epoch (unless --seeds; --dense still adds dense)")
+    ap.add_argument("--seeds", type=number(int, minimum=0), nargs="+", default=None,
+                    help="default 0 1 2 3 4; 0 with --smoke")
     ap.add_argument("--dense", action="store_true", help="also run each example dense")
     ap.add_argument("--report-only", action="store_true", help="rewrite the page from its JSON")
-    ap.add_argument("--out", default=None, help="default: docs/frontends.md (a temporary file in --smoke)")
+    ap.add_argument("--out", type=output_file, default=None, help="default: docs/frontends.md (a temporary file in --smoke)")
     args = ap.parse_args(argv)
     args.out = output_path(args.out, args.smoke, "frontends.md")
-    seeds, epochs = args.seeds, None
+    # (--smoke sets what is not given: an option given with it is not ignored)
+    seeds = args.seeds or ([0] if args.smoke else [0, 1, 2, 3, 4])
+    epochs = 1 if args.smoke else None
     schemes = ("scalecom", "dense") if args.dense else ("scalecom",)
-    if args.smoke:
-        seeds, epochs, schemes = [0], 1, ("scalecom",)
     json_path = os.path.splitext(args.out)[0] + ".json"
     if args.report_only:
         with open(json_path) as f:
             saved = json.load(f)
-        with open(args.out, "w") as f:
-            f.write(markdown(saved["rows"], saved["seeds"], saved["command"], saved.get("epochs") or 25))
+        write_text(args.out, markdown(saved["rows"], saved["seeds"], saved["command"], saved.get("epochs") or 25))
         print(f"wrote {args.out} from {json_path}")
         return saved["rows"]
     rows = []
@@ -110,10 +110,9 @@ def main(argv=None):
                       f"  {r['reduction']:5.1f}x fewer bytes  ({time.perf_counter() - start:.0f} s)",
                       flush=True)
     command = command_line("frontends", argv)
-    with open(args.out, "w") as f:
-        f.write(markdown(rows, seeds, command, epochs or 25))  # (None: the example's default, 25)
-    with open(json_path, "w") as f:
-        json.dump({"command": command, "seeds": seeds, "epochs": epochs or 25, "rows": rows}, f, indent=1)
+    write_text(args.out, markdown(rows, seeds, command, epochs or 25))  # (None: the example's default, 25)
+    write_text(json_path, json.dumps({"command": command, "seeds": seeds, "epochs": epochs or 25, "rows": rows},
+                                     indent=1))
     print(f"wrote {args.out}")
     return rows
 

@@ -43,7 +43,8 @@ import sys
 import torch
 
 from benchmarks import kernels
-from benchmarks._report import COUNT, RATIO, command_line, interleaved, number, output_path, replace_section
+from benchmarks._report import (COUNT, RATIO, command_line, interleaved, number, output_file, output_path,
+                                replace_section, write_text)
 from hvd_scalecom import sim
 from hvd_scalecom.config import ScaleComConfig
 from hvd_scalecom.native import torch_operations
@@ -274,15 +275,24 @@ def markdown(result, command):
     return "\n".join(lines) + "\n"
 
 
+def device_name(text):
+    """An argparse ``type``: a device torch knows (``cuda``, ``cuda:1``, ``cpu``, ...)."""
+    try:
+        torch.device(text)
+    except (RuntimeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device ({e})") from None
+    return text
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda", help="torch device (default cuda; cpu for the smoke test)")
+    ap.add_argument("--device", type=device_name, default="cuda", help="torch device (default cuda; cpu for the smoke test)")
     ap.add_argument("--smoke", action="store_true", help="one tensor of 65,536 entries, 3 rounds, into a temp dir")
     ap.add_argument("--sizes", type=number(int, minimum=1024), nargs="+", default=None, help="entries per tensor (default 2^20 and 25M)")
     ap.add_argument("--ratios", type=RATIO, nargs="+", default=None, help="default 0.01 and 0.001")
     ap.add_argument("--rounds", type=COUNT, default=None, help="rounds per variant (default 50; 3 with --smoke)")
-    ap.add_argument("--out", default=None, help="markdown file (default docs/performance.md)")
-    ap.add_argument("--json", default=None, help="also write the results there")
+    ap.add_argument("--out", type=output_file, default=None, help="markdown file (default docs/performance.md)")
+    ap.add_argument("--json", type=output_file, default=None, help="also write the results there")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -303,8 +313,7 @@ def main(argv=None):
     out = output_path(args.out, args.smoke, "performance.md")
     replace_section(out, "gpu_kernels", text)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_text(args.json, json.dumps(result, indent=1))
     print(text, flush=True)
     print(f"gpu_kernels: wrote {out}", flush=True)
     failed = failures(result)

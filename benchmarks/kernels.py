@@ -43,7 +43,8 @@ import sys
 
 import torch
 
-from benchmarks._report import COUNT, RATIO, interleaved, number, output_path, replace_section, shown_arguments
+from benchmarks._report import (COUNT, RATIO, interleaved, number, output_file, output_path, replace_section,
+                                shown_arguments)
 from hvd_scalecom import native
 from hvd_scalecom.config import ScaleComConfig
 from hvd_scalecom.native import torch_operations
@@ -308,6 +309,7 @@ def plot_rows(rows, path):
     ax.set_title("One tensor's compute against the bandwidth floor (one thread)")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -315,21 +317,21 @@ def plot_rows(rows, path):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="two small tensors (1e5 and 2^19 entries), two rounds")
-    ap.add_argument("--out", default=None, help="default: docs/performance.md (a temporary file in --smoke)")
-    ap.add_argument("--plot", default=None, help="PNG path (default: docs/kernels.png; none in --smoke)")
+    ap.add_argument("--out", type=output_file, default=None, help="default: docs/performance.md (a temporary file in --smoke)")
+    ap.add_argument("--plot", type=output_file, default=None, help="PNG path (default: docs/kernels.png; none in --smoke)")
     ap.add_argument("--rounds", type=COUNT, default=None)
     ap.add_argument("--sizes", type=number(int, minimum=1024), nargs="+", default=None)
     ap.add_argument("--ratios", type=RATIO, nargs="+", default=[0.01, 0.001])
     ap.add_argument("--environments", nargs="+", default=["default"], choices=list(ENVIRONMENTS))
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    args.out = output_path(args.out, args.smoke, "performance.md")
     if args.sizes is None:
         args.sizes = [100_000, 1 << 19] if args.smoke else [1_048_576, 25_000_000]  # (2^19: buffers traded)
     if args.rounds is None:
         args.rounds = 2 if args.smoke else 15
     if args.child:
         return child(args)
+    args.out = output_path(args.out, args.smoke, "performance.md")  # (not in the child: it writes nothing)
     rows = []
     load = [os.getloadavg()[0]]
     for env_name in (args.environments[:1] if args.smoke else args.environments):

@@ -22,7 +22,7 @@ import tempfile
 import torch
 
 from benchmarks import kernels
-from benchmarks._report import COUNT, command_line, cpu, number, output_path, replace_section
+from benchmarks._report import COUNT, command_line, cpu, number, output_file, output_path, replace_section
 from hvd_scalecom.launch import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,7 +90,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=COUNT, default=None, help="timed steps (default 40; 3 with --smoke)")
     ap.add_argument("--warmup", type=number(int, minimum=0), default=None, help="untimed steps first (default 5; 1 with --smoke)")
     ap.add_argument("--rounds", type=COUNT, default=None, help="rounds of the clt_k timing (default 400)")
-    ap.add_argument("--out", default=None, help="markdown file (default docs/performance.md)")
+    ap.add_argument("--out", type=output_file, default=None, help="markdown file (default docs/performance.md)")
     args = ap.parse_args(argv)
     sizes, tensors = ([4096], [4]) if args.smoke else (SIZES, TENSORS)
     steps = args.steps or (3 if args.smoke else 40)

@@ -19,7 +19,7 @@ import tempfile
 
 import torch
 
-from benchmarks._report import command_line, cpu, interleaved, output_path
+from benchmarks._report import command_line, cpu, interleaved, output_file, output_path, write_text
 from hvd_scalecom.config import ScaleComConfig
 from hvd_scalecom.launch import run
 from hvd_scalecom.torch import ScaleCom, clt_k
@@ -123,14 +123,13 @@ def write_markdown(jobs, selection, path, command, epochs):
     for r in selection:
         lines.append(f"| {r['numel']:,} | {r['k']:,} | {r['exact_ms']:.1f} | {r['threshold_ms']:.1f} | "
                      f"{r['speedup']:.1f}x | {r['overlap']:.4f} |")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_text(path, "\n".join(lines) + "\n")
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="one epoch and small tensors")
-    ap.add_argument("--out", default=None, help="default: docs/options.md (a temporary file in --smoke)")
+    ap.add_argument("--out", type=output_file, default=None, help="default: docs/options.md (a temporary file in --smoke)")
     args = ap.parse_args(argv)
     args.out = output_path(args.out, args.smoke, "options.md")
     epochs = 1 if args.smoke else 25

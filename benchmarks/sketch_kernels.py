@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from benchmarks._report import COUNT, command_line, output_path, replace_section
+from benchmarks._report import COUNT, command_line, output_file, output_path, replace_section
 from benchmarks._slow_link_worker import make_model
 from benchmarks.slow_link import DEFAULT_JOBS, DEFAULT_WIDTHS
 from hvd_scalecom import native
@@ -100,15 +100,14 @@ def main(argv=None):
     parser.add_argument("--numel", type=COUNT, default=None, help="default: the slow-link job's")
     parser.add_argument("--rows", type=COUNT, default=None, help="default: the slow-link job's")
     parser.add_argument("--columns", type=COUNT, default=None, help="default: the slow-link job's")
-    parser.add_argument("--rounds", type=COUNT, default=7)
+    parser.add_argument("--rounds", type=COUNT, default=None, help="default 7; 2 with --smoke")
     parser.add_argument("--smoke", action="store_true", help="100,000 entries, 2 rounds")
-    parser.add_argument("--out", default=None, help="default: docs/performance.md (a temporary file in --smoke)")
+    parser.add_argument("--out", type=output_file, default=None, help="default: docs/performance.md (a temporary file in --smoke)")
     args = parser.parse_args(argv)
     args.out = output_path(args.out, args.smoke, "performance.md")
     numel, rows, columns = (100_000, 5, 2_000) if args.smoke else slow_link_sketch()
     args.numel, args.rows, args.columns = args.numel or numel, args.rows or rows, args.columns or columns
-    if args.smoke:
-        args.rounds = 2
+    args.rounds = args.rounds or (2 if args.smoke else 7)  # (an explicit --rounds wins, also in --smoke)
     torch.set_num_threads(1)
     if native.library() is None:
         raise SystemExit("the C kernels are unavailable (HVD_SCALECOM_NATIVE=0 or no compiler)")

@@ -44,7 +44,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks._report import COUNT, SECONDS, number, output_path, replace_section, shown_arguments
+from benchmarks._report import COUNT, SECONDS, number, output_file, output_path, replace_section, shown_arguments
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "benchmarks", "_slow_link_worker.py")
@@ -213,6 +213,24 @@ def widths(text):
     if len(values) < 2 or min(values) < 1:
         raise argparse.ArgumentTypeError(f"must be two or more comma-separated integers >= 1, got {text!r}")
     return values
+
+
+def check_job(name, kwargs, widths):
+    """Build the job's scheme on the job's model in this process (no Horovod needed), so that options
+    it refuses (an unknown keyword, a ratio of 2) stop the benchmark before any namespace or job, not
+    inside the namespace after the jobs before it ran. Raises TypeError or ValueError."""
+    import torch
+
+    from benchmarks._slow_link_worker import COMPRESSORS, NO_OPTIONS, OPTIMIZER_WRAPPERS, make_model
+    if name in NO_OPTIONS:
+        if kwargs:
+            raise TypeError(f"{name} takes no options, got {json.dumps(kwargs)}")
+        return
+    model = make_model(widths)
+    if name in OPTIMIZER_WRAPPERS:
+        OPTIMIZER_WRAPPERS[name](model, torch.optim.SGD(model.parameters(), lr=0.01), kwargs)
+    else:
+        COMPRESSORS[name](None, model, kwargs)
 
 
 def parse_job(text, scalecom_kwargs):
@@ -385,6 +403,7 @@ def plot_rows(rows, path):
     ax.legend(fontsize=7)
     ax.set_title("Horovod step time on a shaped loopback")
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -407,8 +426,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=COUNT, default=None)
     ap.add_argument("--repeats", type=COUNT, default=None, help="runs of each job (default 2; 1 in --smoke)")
     ap.add_argument("--timeout", type=SECONDS, default=900)
-    ap.add_argument("--out", default=None, help="default: docs/performance.md (a temporary file in --smoke)")
-    ap.add_argument("--plot", default=None, help="PNG path (default: docs/slow_link.png; none in --smoke)")
+    ap.add_argument("--out", type=output_file, default=None, help="default: docs/performance.md (a temporary file in --smoke)")
+    ap.add_argument("--plot", type=output_file, default=None, help="PNG path (default: docs/slow_link.png; none in --smoke)")
     args = ap.parse_args(argv)
     args.out = output_path(args.out, args.smoke, "performance.md")
     smoke = args.smoke
@@ -422,6 +441,14 @@ def main(argv=None):
     # scheduling stall of a loaded machine cannot halve the rate it checks
     args.calibrate_bytes = (32 if smoke else 64) << 20
     args.repeats = args.repeats or (1 if smoke else 2)
+    for text in args.jobs:  # (each scheme built here once: a bad option is named before anything runs)
+        name, kwargs = parse_job(text, args.scalecom_kwargs)
+        try:
+            check_job(name, kwargs, args.widths)
+        except (TypeError, ValueError) as e:
+            merged = f" with --scalecom-kwargs {json.dumps(args.scalecom_kwargs)}" \
+                if name == "scalecom" and args.scalecom_kwargs else ""
+            ap.error(f"argument --jobs: {text!r}{merged}: {e}")
     started = time.perf_counter()
     load = [os.getloadavg()[0]]
     for signum in (signal.SIGTERM, signal.SIGHUP):  # so that the namespace is removed on kill too

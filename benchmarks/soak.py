@@ -52,6 +52,26 @@ MAX_GROWTH_PCT = 2.0  # RSS after warm-up to the end, per rank
 MAX_SLOPE_MB = 1.0  # RSS slope over the second half, MB per 1,000 steps (about 1 KB per step)
 MAX_QUARTER_RATIO = 1.2  # residue norm: mean of the last quarter over that of the previous one
 EXAMPLE_ARGS = ["--lr", "0.0125"]  # put before the user's example options
+# the example's options that the soak does not use (it trains ScaleCom for --steps steps, writes its own
+# outputs): refused, not ignored
+NOT_FOR_THE_SOAK = ("--compression", "--epochs", "--result", "--tensorboard", "--progress", "--checkpoint",
+                    "--resume")
+
+
+def check_example_args(framework, example_args):
+    """The example options as the soak's workers will parse them, parsed here first: one the soak does
+    not use, or one the example refuses, is named before ``horovodrun`` starts (SystemExit)."""
+    for a in example_args:
+        name = a.split("=", 1)[0]
+        if name in NOT_FOR_THE_SOAK:
+            raise SystemExit(f"soak: {name} is an option of the example that the soak does not use (it "
+                             f"trains ScaleCom for --steps steps and writes its own outputs): leave it out")
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    if framework == "torch":
+        from pytorch_scalecom import parse_args
+    else:
+        from tensorflow_scalecom import parse_args
+    parse_args([*EXAMPLE_ARGS, *example_args])
 
 
 def read_rank(path):
@@ -191,7 +211,8 @@ def markdown(result, png_name):
         f"The job trains the digits MLP of `examples/{result['framework_example']}` (its model, data "
         f"and defaults, imported): ScaleCom ratio {opts['ratio']}, beta {opts['beta']}, min_numel "
         f"{opts['min_numel']}, {opts['leader']} leader, {opts['selection']} selection, batch "
-        f"{opts['batch_size']} per worker, SGD lr {opts['lr']} x {result['np']}, momentum "
+        f"{opts['batch_size']} per worker, SGD lr {opts['lr']} x "
+        f"{'sqrt(' + str(result['np']) + ')' if opts.get('lr_scaling') == 'sqrt' else result['np']}, momentum "
         f"{opts['momentum']}. Every {result['every']} steps each rank records its RSS (`VmRSS`), "
         f"the norm of its residue memories, its loss and `stats()`. Warm-up: the first "
         f"{result['warmup']} steps.",
@@ -310,7 +331,8 @@ def main(argv=None):
     args.warmup = args.steps // 10 if args.warmup is None else args.warmup
     if not 0 <= args.warmup < args.steps:
         ap.error("--warmup must be in [0, steps)")
-    out_dir = args.out_dir or (tempfile.mkdtemp(prefix="soak-") if smoke else os.path.join(ROOT, "docs"))
+    check_example_args(args.framework, example_args)
+    out_dir = args.out_dir or (_report.smoke_directory("soak-") if smoke else os.path.join(ROOT, "docs"))
     os.makedirs(out_dir, exist_ok=True)
     command = " ".join(["python -m benchmarks.soak", *map(shlex.quote, _shown(
         sys.argv[1:] if argv is None else argv))])

@@ -22,7 +22,7 @@ import statistics
 import sys
 import tempfile
 
-from benchmarks._report import COUNT, command_line, output_path
+from benchmarks._report import COUNT, command_line, output_file, output_path, write_text
 from hvd_scalecom.launch import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,15 +41,17 @@ def job(workers, mode, epochs):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="2 workers, 1 epoch, 1 repeat")
-    ap.add_argument("--workers", type=COUNT, nargs="+", default=[2, 3])
-    ap.add_argument("--epochs", type=COUNT, default=3)
-    ap.add_argument("--repeats", type=COUNT, default=3)
-    ap.add_argument("--out", default=None, help="default: docs/tf_index_exchange.md (a temporary file in --smoke)")
+    ap.add_argument("--smoke", action="store_true", help="2 workers, 1 epoch, 1 repeat (where not given)")
+    ap.add_argument("--workers", type=COUNT, nargs="+", default=None, help="default 2 3; 2 with --smoke")
+    ap.add_argument("--epochs", type=COUNT, default=None, help="default 3; 1 with --smoke")
+    ap.add_argument("--repeats", type=COUNT, default=None, help="default 3; 1 with --smoke")
+    ap.add_argument("--out", type=output_file, default=None, help="default: docs/tf_index_exchange.md (a temporary file in --smoke)")
     args = ap.parse_args(argv)
     args.out = output_path(args.out, args.smoke, "tf_index_exchange.md")
-    if args.smoke:
-        args.workers, args.epochs, args.repeats = [2], 1, 1
+    # (--smoke sets what is not given: an option given with it is not ignored)
+    args.workers = args.workers or ([2] if args.smoke else [2, 3])
+    args.epochs = args.epochs or (1 if args.smoke else 3)
+    args.repeats = args.repeats or (1 if args.smoke else 3)
     rows = []
     for workers in args.workers:
         times = {m: [] for m in MODES}
@@ -85,8 +87,7 @@ def main(argv=None):
         lines.append(f"| {r['workers']} | {med['broadcast']:.2f} | {med['allreduce']:.2f} | {med['allgather']:.2f} | "
                      f"{med['allreduce'] / med['broadcast']:.2f}x | {med['allgather'] / med['broadcast']:.2f}x | "
                      f"{runs} | {accuracy} |")
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_text(args.out, "\n".join(lines) + "\n")
     print(f"wrote {args.out}")
     return rows
 

@@ -14,6 +14,23 @@ def positive_int(text):
     return value
 
 
+def nonnegative_int(text):
+    """argparse type: an int >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
+def fraction(text):
+    """argparse type: a float in (0, 1] (ScaleCom's ratio and beta; checked here, not by every rank's
+    traceback from the compressor once Horovod has started)."""
+    value = float(text)
+    if not 0 < value <= 1:  # (false for nan)
+        raise argparse.ArgumentTypeError(f"must be a number > 0 and <= 1, got {text}")
+    return value
+
+
 def learning_rate(text):
     """argparse type: a finite float > 0."""
     value = float(text)

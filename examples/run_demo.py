@@ -49,6 +49,9 @@ def main(argv=None):
         if name in OWN_OUTPUTS:
             raise SystemExit(f"run_demo.py cannot pass {name} on: both of its jobs would write (or read) "
                              f"the same place; run examples/pytorch_scalecom.py under horovodrun for it")
+    sys.path.insert(0, HERE)
+    from pytorch_scalecom import parse_args
+    parse_args(["--compression", "dense", *extra])  # a bad argument is named here, before any job starts
     workers = 2
     scalecom = run_job("scalecom", workers, extra)
     dense = run_job("dense", workers, extra)  # the same settings: a side-by-side comparison

@@ -34,17 +34,17 @@ from sklearn.datasets import load_digits
 import horovod.tensorflow as hvd
 from hvd_scalecom.tensorflow import ScaleCom, make_train_step
 
-from digits_common import (check_trained_with, epoch_steps, learning_rate, momentum_value, positive_int,
-                           result_path, seed_value, trained_with)
+from digits_common import (check_trained_with, epoch_steps, fraction, learning_rate, momentum_value,
+                           nonnegative_int, positive_int, result_path, seed_value, trained_with)
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--compression", choices=["scalecom", "dense", "fp16"], default="scalecom")
-    ap.add_argument("--ratio", type=float, default=0.01)
-    ap.add_argument("--beta", type=float, default=0.5)
-    ap.add_argument("--warmup-steps", type=int, default=0)
-    ap.add_argument("--min-numel", type=int, default=1024)
+    ap.add_argument("--ratio", type=fraction, default=0.01)
+    ap.add_argument("--beta", type=fraction, default=0.5)
+    ap.add_argument("--warmup-steps", type=nonnegative_int, default=0)
+    ap.add_argument("--min-numel", type=nonnegative_int, default=1024)
     ap.add_argument("--leader", choices=["cyclic", "staggered"], default="cyclic")
     ap.add_argument("--selection", choices=["exact", "threshold"], default="threshold")
     ap.add_argument("--value-dtype", choices=["float32", "float16"], default=None)

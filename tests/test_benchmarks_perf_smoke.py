@@ -6,6 +6,7 @@ skipped, and so does its test.
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -19,12 +20,15 @@ from benchmarks import slow_link
 
 
 def test_kernels_smoke(tmp_path):
-    out = tmp_path / "performance.md"
-    run_smoke("benchmarks.kernels", out, timeout=300, extra=("--plot", str(tmp_path / "kernels.png")))
+    out, tmp = tmp_path / "performance.md", tmp_path / "tmp"
+    tmp.mkdir()
+    plot = tmp_path / "plots" / "kernels.png"  # (a new directory: made, not a failure after the run)
+    run_smoke("benchmarks.kernels", out, timeout=300, extra=("--plot", str(plot)), env={"TMPDIR": str(tmp)})
+    assert not list(tmp.iterdir())  # (its child process left an empty smoke directory behind)
     text = out.read_text()
     assert "<!-- kernels:begin -->" in text and "## Kernels" in text
     assert "![compress + decompress against the floor](kernels.png)" in text
-    assert (tmp_path / "kernels.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| 100,000 | 0.01 | default |" in text and "| 100,000 | 0.001 | default |" in text
     # 2^19 entries: the non-leader trades buffers, and its C passes alone are timed
     lines = text.splitlines()
@@ -49,6 +53,19 @@ def test_slow_link_smoke(tmp_path):
     assert float(row[5]) > 0 and row[6].strip().endswith("x")  # vs dense, speed-up over dense (no timing asserted)
     assert not [line for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
                 .splitlines() if line.startswith(f"{slow_link.PREFIX}")], "a namespace was left behind"
+
+
+def test_a_smoke_run_that_writes_nothing_leaves_no_directory(tmp_path):
+    """A smoke run's temporary directory is removed at exit when nothing was written into it (a
+    slow-link smoke run that skipped without root, or one that failed, left an empty one each time)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    code = ("from benchmarks._report import output_path; import os, sys; "
+            "kept = output_path(None, True, 'kept.md'); open(kept, 'w').close(); "
+            "output_path(None, True, 'x.md'); sys.exit(3)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp)}, timeout=120)
+    assert done.returncode == 3
+    assert [p.name for p in tmp.glob("*/*")] == ["kept.md"] and len(list(tmp.iterdir())) == 1
 
 
 def test_slow_link_report_from_synthetic_rows():
@@ -108,7 +125,8 @@ def test_gpu_kernels_smoke_on_the_cpu(tmp_path):
     measures nothing."""
     out = tmp_path / "performance.md"
     out.write_text("# Performance\n\nkept\n")
-    run_smoke("benchmarks.gpu_kernels", out, timeout=300, extra=("--device", "cpu", "--json", str(tmp_path / "r.json")))
+    json_path = tmp_path / "json" / "r.json"  # (a new directory: made, not a failure after the page was written)
+    run_smoke("benchmarks.gpu_kernels", out, timeout=300, extra=("--device", "cpu", "--json", str(json_path)))
     text = out.read_text()
     assert "kept" in text and "<!-- gpu_kernels:begin -->" in text and "## GPU" in text
     lines = text.splitlines()
@@ -120,7 +138,7 @@ def test_gpu_kernels_smoke_on_the_cpu(tmp_path):
     schemes = [line.split("|")[1].strip() for line in below if line.startswith("| ") and "| yes |" in line]
     assert schemes == ["Dense", "FP16", "ScaleCom", "ScaleCom, pipelined", "LocalTopK", "GlobalTopK", "GTopK",
                        "RandomK", "SketchedSGD", "QsparseLocalSGD", "PowerSGD"]
-    result = json.loads((tmp_path / "r.json").read_text())
+    result = json.loads(json_path.read_text())
     assert result["kernels"][0]["leader_diff"] == [0.0, 0.0]  # (the CPU against itself, torch operations)
     if not torch.cuda.is_available():
         stdout = subprocess.run([sys.executable, "-m", "benchmarks.gpu_kernels", "--smoke", "--out", str(out)],
@@ -142,6 +160,14 @@ def test_gpu_kernels_smoke_on_the_cpu(tmp_path):
     ("slow_link", ["--jobs", "scalecom:{ratio: 0.1}"], "is not JSON"),
     ("slow_link", ["--scalecom-kwargs", "[1]"], "--scalecom-kwargs"),
     ("slow_link", ["--widths", "64"], "--widths"),
+    # options a scheme refuses, found by building it here (they failed in the namespace, after other jobs)
+    ("slow_link", ["--jobs", "dense", 'scalecom:{"ratoi": 0.01}'], "unexpected keyword argument 'ratoi'"),
+    ("slow_link", ["--jobs", 'qsparse:{"local_steps": 0}'], "argument --jobs: 'qsparse:"),
+    ("slow_link", ["--scalecom-kwargs", '{"ratio": 2}'], 'with --scalecom-kwargs {"ratio": 2}: ratio must be'),
+    ("slow_link", ["--jobs", 'dense:{"ratio": 0.1}'], "dense takes no options"),  # (ignored)
+    ("kernels", ["--plot", "/dev/null/kernels.png"], "--plot"),  # (failed after the run)
+    ("gpu_kernels", ["--json", "/"], "--json"),
+    ("gpu_kernels", ["--device", "gpu"], "--device"),  # (torch's traceback)
     ("tf_index_exchange", ["--workers", "0"], "--workers"),
     ("convergence", ["--threads", "0"], "--threads"),
 ])

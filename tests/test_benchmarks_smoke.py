@@ -39,3 +39,20 @@ def test_tf_index_exchange_smoke(tmp_path):
     accuracies = [float(a.rstrip("%")) for a in cells[7].split(", ")]
     assert len(accuracies) == 3 and min(accuracies) > 10  # all trained (chance: 10%)
     assert len(set(accuracies)) == 1  # the same update
+
+
+def test_smoke_sets_only_what_is_not_given(tmp_path, monkeypatch):
+    """--smoke's small settings fill in what the command line leaves out; an option given with it is
+    not ignored (--smoke --workers 3 ran 2 workers, --smoke --dense no dense job). Jobs stubbed."""
+    from benchmarks import frontends, tf_index_exchange
+
+    jobs = []
+    monkeypatch.setattr(tf_index_exchange, "job", lambda workers, mode, epochs: jobs.append((workers, epochs))
+                        or {"seconds": 1.0, "accuracy": 0.5})
+    tf_index_exchange.main(["--smoke", "--workers", "3", "--epochs", "2", "--out", str(tmp_path / "t.md")])
+    assert jobs == [(3, 2)] * 3  # one repeat of the three exchanges
+    runs = []
+    monkeypatch.setattr(frontends, "run_example", lambda framework, compression, seed, epochs: runs.append(
+        (compression, seed, epochs)) or {"accuracy": 0.5, "reduction": 40.0, "compression": compression})
+    frontends.main(["--smoke", "--seeds", "7", "--dense", "--out", str(tmp_path / "f.md")])
+    assert sorted(runs) == [("dense", 7, 1)] * 2 + [("scalecom", 7, 1)] * 2

@@ -93,10 +93,30 @@ def test_soak_smoke_tensorflow(tmp_path):
     assert "# Soak: 20 steps of ScaleCom (TensorFlow)" in (tmp_path / "soak_tensorflow.md").read_text()
 
 
-def test_soak_rejects_bad_arguments():
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.soak", "--steps", "10", "--warmup", "10"],
+@pytest.mark.parametrize("arguments, code, message", [
+    (["--steps", "10", "--warmup", "10"], 2, "--warmup"),
+    # the example's options, checked before horovodrun (each rank's traceback), or refused where the
+    # soak does not use them (ignored)
+    (["--ratio", "0"], 2, "argument --ratio: must be a number > 0 and <= 1, got 0"),
+    (["--epochs", "3"], 1, "soak: --epochs is an option of the example that the soak does not use"),
+])
+def test_soak_rejects_bad_arguments(arguments, code, message):
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.soak", *arguments],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--warmup" in proc.stderr
+    assert proc.returncode == code and message in proc.stderr, proc.stderr[-2000:]
+    assert "horovodrun" not in proc.stdout + proc.stderr
+
+
+def test_soak_worker_uses_the_examples_pipelined_and_lr_scaling(monkeypatch):
+    """Both trainers build ScaleCom from scalecom_kwargs (the TensorFlow one ignored --pipelined), and
+    the torch one scales the learning rate as the example does (it ignored --lr-scaling sqrt)."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    from pytorch_scalecom import parse_args
+    from benchmarks._soak_worker import learning_rate, scalecom_kwargs
+
+    args = parse_args(["--pipelined", "--lr", "0.0125", "--lr-scaling", "sqrt"])
+    assert scalecom_kwargs(args)["pipelined"] is True
+    assert learning_rate(args, 4) == 0.025 and learning_rate(parse_args(["--lr", "0.0125"]), 4) == 0.05
 
 
 def test_run_all_list():

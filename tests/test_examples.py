@@ -110,6 +110,10 @@ def test_shards_of_different_sizes_take_the_same_steps(example, tmp_path):
     (["--lr", "-0.05"], "argument --lr: must be a finite number > 0, got -0.05"),  # (not the scaled -0.1)
     (["--momentum", "1"], "argument --momentum: must be a number >= 0 and < 1, got 1"),
     (["--seed", "-1"], "argument --seed: must be an integer from 0 to 2**32 - 1, got -1"),
+    # (ScaleCom's ValueError, a traceback from every rank once Horovod had started)
+    (["--ratio", "nan"], "argument --ratio: must be a number > 0 and <= 1, got nan"),
+    (["--beta", "0"], "argument --beta: must be a number > 0 and <= 1, got 0"),
+    (["--min-numel", "-1"], "argument --min-numel: must be an integer >= 0, got -1"),
     (["--result", "/nonexistent_dir/r.json"],  # (refused before training, not after)
      "argument --result: directory /nonexistent_dir does not exist"),
 ])
@@ -130,6 +134,9 @@ def test_the_demo_explains_its_arguments_and_refuses_compression_and_outputs():
     refused = subprocess.run([sys.executable, demo, "--compression", "fp16"], capture_output=True, text=True,
                              timeout=120)
     assert refused.returncode != 0 and "leave --compression out" in refused.stderr
+    bad = subprocess.run([sys.executable, demo, "--epochs", "0"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "argument --epochs: must be a positive integer, got 0" in bad.stderr
+    assert "horovodrun" not in bad.stdout  # (refused before its first job started)
     for arguments in (["--result", "x.json"], ["--checkpoint=ckpt"], ["--resume"], ["--tensorboard", "tb"]):
         refused = subprocess.run([sys.executable, demo, *arguments], capture_output=True, text=True, timeout=120)
         name = arguments[0].split("=")[0]
