@@ -86,7 +86,7 @@ def time_schemes(numel, tensors, pool, args):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("result")
     ap.add_argument("--sizes", type=int, nargs="+", required=True)
     ap.add_argument("--tensors", type=int, nargs="+", required=True, help="one per size")

@@ -118,7 +118,7 @@ TRAINERS = {"torch": torch_trainer, "tensorflow": tensorflow_trainer}
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("out_dir")
     ap.add_argument("--framework", choices=list(TRAINERS), default="torch")
     ap.add_argument("--steps", type=int, default=2000)

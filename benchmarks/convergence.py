@@ -145,7 +145,7 @@ def matching(task, recipe, n, results):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--smoke", action="store_true", help="dense and ScaleCom, n = 4, 8 steps, both tasks")
     ap.add_argument("--report-only", action="store_true", help="rewrite markdown and figures from the JSON")
     ap.add_argument("--resume", action="store_true", help="reuse runs already in the JSON")

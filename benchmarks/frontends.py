@@ -78,7 +78,7 @@ def markdown(rows, seeds, command, epochs=25):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--smoke", action="store_true", help="seed 0, 1 epoch (unless --seeds; --dense still adds dense)")
     ap.add_argument("--seeds", type=number(int, minimum=0), nargs="+", default=None,
                     help="default 0 1 2 3 4; 0 with --smoke")

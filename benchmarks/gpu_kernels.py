@@ -285,7 +285,7 @@ def device_name(text):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--device", type=device_name, default="cuda", help="torch device (default cuda; cpu for the smoke test)")
     ap.add_argument("--smoke", action="store_true", help="one tensor of 65,536 entries, 3 rounds, into a temp dir")
     ap.add_argument("--sizes", type=number(int, minimum=1024), nargs="+", default=None, help="entries per tensor (default 2^20 and 25M)")

@@ -315,7 +315,7 @@ def plot_rows(rows, path):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--smoke", action="store_true", help="two small tensors (1e5 and 2^19 entries), two rounds")
     ap.add_argument("--out", type=output_file, default=None, help="default: docs/performance.md (a temporary file in --smoke)")
     ap.add_argument("--plot", type=output_file, default=None, help="PNG path (default: docs/kernels.png; none in --smoke)")

@@ -85,7 +85,7 @@ def markdown(result, command):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--smoke", action="store_true", help="4 tensors of 4,096 entries, 3 steps, into a temp dir")
     ap.add_argument("--steps", type=COUNT, default=None, help="timed steps (default 40; 3 with --smoke)")
     ap.add_argument("--warmup", type=number(int, minimum=0), default=None, help="untimed steps first (default 5; 1 with --smoke)")

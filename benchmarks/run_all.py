@@ -41,7 +41,7 @@ def command(name, python=None):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--list", action="store_true", help="print the commands, run nothing")
     ap.add_argument("--only", nargs="+", choices=list(BENCHMARKS), default=None,
                     help="run these (in the usual order)")

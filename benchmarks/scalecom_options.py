@@ -127,7 +127,7 @@ def write_markdown(jobs, selection, path, command, epochs):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--smoke", action="store_true", help="one epoch and small tensors")
     ap.add_argument("--out", type=output_file, default=None, help="default: docs/options.md (a temporary file in --smoke)")
     args = ap.parse_args(argv)

@@ -96,7 +96,7 @@ def markdown(args, ms, ratio, command, load):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--numel", type=COUNT, default=None, help="default: the slow-link job's")
     parser.add_argument("--rows", type=COUNT, default=None, help="default: the slow-link job's")
     parser.add_argument("--columns", type=COUNT, default=None, help="default: the slow-link job's")

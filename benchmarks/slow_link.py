@@ -413,7 +413,7 @@ def _terminate(signum, frame):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--smoke", action="store_true", help="tiny model, 1gbit, 2 workers, one step, dense and ScaleCom 0.01")
     ap.add_argument("--rates", nargs="+", default=None, choices=list(SHAPES))
     ap.add_argument("--workers", type=COUNT, nargs="+", default=None)

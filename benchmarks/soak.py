@@ -302,7 +302,7 @@ def _shown(argv):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--smoke", action="store_true", help="-np 2, 20 steps, output into a temp dir")
     ap.add_argument("--framework", choices=["torch", "tensorflow"], default="torch")
     ap.add_argument("--np", type=_report.COUNT, default=None, help="workers (default 4; 2 with --smoke)")

@@ -40,7 +40,7 @@ def job(workers, mode, epochs):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--smoke", action="store_true", help="2 workers, 1 epoch, 1 repeat (where not given)")
     ap.add_argument("--workers", type=COUNT, nargs="+", default=None, help="default 2 3; 2 with --smoke")
     ap.add_argument("--epochs", type=COUNT, default=None, help="default 3; 1 with --smoke")

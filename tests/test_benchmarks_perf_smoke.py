@@ -170,6 +170,9 @@ def test_gpu_kernels_smoke_on_the_cpu(tmp_path):
     ("gpu_kernels", ["--device", "gpu"], "--device"),  # (torch's traceback)
     ("tf_index_exchange", ["--workers", "0"], "--workers"),
     ("convergence", ["--threads", "0"], "--threads"),
+    # no abbreviations: --out on convergence was taken for --out-dir, --size for --sizes
+    ("convergence", ["--out", "elsewhere"], "unrecognized arguments: --out elsewhere"),
+    ("kernels", ["--size", "4096"], "unrecognized arguments: --size 4096"),
 ])
 def test_a_bad_argument_is_refused_naming_it_before_anything_runs(module, argv, option, tmp_path, capsys):
     """argparse's exit 2 with the option named; nothing written (a 0 was taken for the default)."""
