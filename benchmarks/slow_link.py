@@ -66,6 +66,11 @@ class Skip(Exception):
     """Network namespaces are not available here."""
 
 
+class JobFailed(Exception):
+    """A Horovod job in the namespace failed or ran past ``--timeout``: reported, with its output's
+    end, without a traceback (the namespace is removed on the way out)."""
+
+
 def _ip(*args, check=True):
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
 
@@ -171,12 +176,18 @@ def horovod_job(namespace, workers, spec, timeout):
 
     cmd = ["ip", "netns", "exec", namespace,
            *horovodrun_command([WORKER, json.dumps(spec)], np=workers, controller="gloo")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout,
-                          preexec_fn=_die_with_parent)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout,
+                              preexec_fn=_die_with_parent)
+    except subprocess.TimeoutExpired as e:  # (run() has killed horovodrun; its workers follow it)
+        output = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+                         for x in (e.stdout, e.stderr))
+        raise JobFailed(f"{spec['compressor']} with {workers} workers ran past --timeout {timeout:g} s and was "
+                        f"stopped ({' '.join(cmd)}); its output ended:\n{output[-6000:]}") from None
     rows = _results(proc.stdout + proc.stderr)
     if proc.returncode != 0 or not rows:
-        raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n"
-                           f"{(proc.stdout + proc.stderr)[-6000:]}")
+        raise JobFailed(f"{spec['compressor']} with {workers} workers: {' '.join(cmd)} exited with "
+                        f"{proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}")
     return rows[0]
 
 
@@ -458,6 +469,9 @@ def main(argv=None):
     except Skip as why:
         print(f"slow_link: skipped: {why}", flush=True)
         return 0
+    except JobFailed as why:
+        print(f"slow_link: failed: {why}", file=sys.stderr, flush=True)
+        return 1
     plot = None if smoke and args.plot is None else (args.plot or os.path.join(ROOT, "docs", "slow_link.png"))
     command = " ".join(["python -m benchmarks.slow_link", *map(shlex.quote, shown_arguments(
         sys.argv[1:] if argv is None else argv))])

@@ -51,8 +51,29 @@ def test_slow_link_smoke(tmp_path):
     assert 0.5 < link < 1.2, f"the shaped link carried {link} Gbit/s, not about 1"  # (32 MiB: past the bucket)
     row = next(line for line in text.splitlines() if line.startswith("| 1gbit | 2 | ScaleCom 0.01 |")).split("|")
     assert float(row[5]) > 0 and row[6].strip().endswith("x")  # vs dense, speed-up over dense (no timing asserted)
-    assert not [line for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-                .splitlines() if line.startswith(f"{slow_link.PREFIX}")], "a namespace was left behind"
+    assert not _namespaces_left(), "a namespace was left behind"
+
+
+def _namespaces_left():
+    return [line for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+            .splitlines() if line.startswith(slow_link.PREFIX)]
+
+
+def test_a_slow_link_job_past_its_timeout_is_reported_and_leaves_nothing_running(tmp_path):
+    """A job past --timeout (its workers training, a million steps to go): exit 1 and a message naming
+    the job and --timeout, not a TimeoutExpired traceback; no namespace, no worker and no page left."""
+    out = tmp_path / "performance.md"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.slow_link", "--smoke", "--out", str(out), "--jobs",
+                           "dense", "--steps", "1000000", "--timeout", "12"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    if "slow_link: skipped:" in done.stdout:
+        pytest.skip(done.stdout.strip().splitlines()[-1])
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "slow_link: failed: dense with 2 workers ran past --timeout 12 s and was stopped" in done.stderr
+    assert "Traceback" not in done.stderr and not out.exists()
+    assert not _namespaces_left(), "a namespace was left behind"
+    workers = subprocess.run(["pgrep", "-f", slow_link.WORKER], capture_output=True, text=True).stdout.split()
+    assert not workers, f"workers of the stopped job still run: {workers}"
 
 
 def test_a_smoke_run_that_writes_nothing_leaves_no_directory(tmp_path):
