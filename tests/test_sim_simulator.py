@@ -127,6 +127,13 @@ def test_state_of_another_scheme_is_refused():
     with pytest.raises(ValueError, match="saved with"):
         other = Simulator(ScaleCom(ratio=0.2, min_numel=0), 4, model.named_parameters())
         other.load_state_dict(a.state_dict())
+    # Qsparse-local-SGD's learning rate is the scheme's own (on Horovod the wrapped optimizer's, which its
+    # state restores): a state saved at another one would resume a different run
+    saved = Simulator(QsparseLocalSGD(lr=0.1, local_steps=2, ratio=0.1), 4, model.named_parameters())
+    saved.step_stacked(stacked_grads(model, 4, 0))
+    with pytest.raises(ValueError, match="saved with .*'lr': 0.1"):
+        Simulator(QsparseLocalSGD(lr=0.2, local_steps=2, ratio=0.1), 4,
+                  model.named_parameters()).load_state_dict(saved.state_dict())
 
 
 @pytest.mark.parametrize("scheme, change, text", [

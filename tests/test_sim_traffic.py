@@ -97,8 +97,13 @@ def test_top_k_baselines_and_random_k():
                                   "sent_bytes": 168, "uncompressed_bytes": 136}
     _, (r, _) = run(GlobalTopK(ratio=0.2, min_numel=MIN_NUMEL))             # realised: allreduce of p
     assert figures(r.traffic)["value_bytes"] == 120 and r.traffic.sent_bytes() == 180 + 24
-    _, (r, _) = run(GlobalTopK(ratio=0.2, min_numel=MIN_NUMEL, traffic="clt-k"))
-    assert (r.traffic.payload("index"), r.traffic.payload("value")) == (24, 24)
+    _, results = run(GlobalTopK(ratio=0.2, min_numel=MIN_NUMEL, traffic="clt-k"))
+    assert (results[0].traffic.payload("index"), results[0].traffic.payload("value")) == (24, 24)
+    # broadcast from ScaleCom's cyclic leader, so the bytes per worker split as ScaleCom's (root 0 took
+    # every step, and worker 3, the chain's last, never sent an index)
+    assert [[c.root for c in r.traffic.collectives if c.op == "broadcast"] for r in results] == [[0], [1]]
+    _, scalecom = run(ScaleCom(ratio=0.2, beta=1.0, min_numel=MIN_NUMEL))
+    assert [list(r.traffic.sent_by_worker()) for r in results] == [list(r.traffic.sent_by_worker()) for r in scalecom]
     _, (r, _) = run(GTopK(ratio=0.2, min_numel=MIN_NUMEL))                  # log2 4 = 2 rounds
     assert figures(r.traffic) == {"index_bytes": 48, "value_bytes": 48, "dense_bytes": 16,
                                   "sent_index_bytes": 48, "sent_value_bytes": 48, "sent_dense_bytes": 24,

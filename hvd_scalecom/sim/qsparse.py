@@ -156,7 +156,7 @@ class QsparseLocalSGD(Scheme):
         return change
 
     def describe(self):
-        return {"config": self.config.as_dict(), "local_steps": self.local_steps,
+        return {"config": self.config.as_dict(), "lr": self.lr, "local_steps": self.local_steps,
                 "max_k": self.max_k, "operator": self.operator, "levels": self.levels,
                 "momentum": self.momentum, "seed": self.seed}
 

@@ -182,7 +182,8 @@ class GlobalTopK(_SharedIndices):
 
     Finding it exactly needs every worker's ``p_i``: ``traffic="dense"`` (default) counts the allreduce of
     ``p`` that realises it; ``traffic="clt-k"`` counts it as if an oracle supplied ``I`` (k indices
-    broadcast, k values allreduced, ScaleCom's cost), to compare selection quality at equal traffic.
+    broadcast from ScaleCom's leader of the step, k values allreduced, ScaleCom's cost), to compare
+    selection quality at equal traffic.
     """
 
     name = "global_topk"
@@ -206,7 +207,8 @@ class GlobalTopK(_SharedIndices):
         if self.traffic == "dense":
             record.add("allreduce", "value", spec.name, numel, values)
         else:
-            record.add("broadcast", "index", spec.name, k, self.index_dtype(numel))
+            root = self.config.leader_rank(t, n, spec.index)  # (ScaleCom's leader, so the split matches)
+            record.add("broadcast", "index", spec.name, k, self.index_dtype(numel), root=root)
             record.add("allreduce", "value", spec.name, k, values)
         return self.filtered_update(spec, G, indices)
 
