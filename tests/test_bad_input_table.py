@@ -183,6 +183,10 @@ ROWS = [
      "'a' twice"),
     (simulator, "named_parameters", [("a", torch.zeros(3, dtype=torch.int32))], TypeError,
      "floating-point"),
+    (simulator, "named_parameters", [("a", torch.zeros(3))], ValueError, "'a' does not require grad"),
+    (simulator, "device", "bogus", ValueError, "device 'bogus'"),
+    (simulator, "device", "cuda:999", ValueError, "device"),
+    (simulator, "device", 1.5, TypeError, "device"),
 ]
 SIM_DEFAULTS = {sim.QsparseLocalSGD: {"lr": 0.1}}
 

@@ -438,6 +438,18 @@ def test_sketched_sgd_sends_dense_momentum_in_the_gradients_wire_dtype(dtype):
         assert torch.equal(big, ((0.9 * u[:, 64:] + 4e4).sum(dim=0) / N).to(dtype))
 
 
+def test_sketched_sgd_warm_up_sends_mixed_dtype_matrices_together_in_their_promoted_dtype():
+    """As the Horovod compressor, which reduces the sketched tensors' u whole in their promoted dtype: an
+    fp16 matrix beside an fp32 one travels (and is counted) as fp32, so 4 x 40,000 sums to no Inf."""
+    sim = Simulator(SketchedSGD(ratio=0.1, momentum=0.9, warmup_steps=1, min_numel=16), N,
+                    [("h", torch.nn.Parameter(torch.zeros(8, 8, dtype=torch.float16))),
+                     ("f", torch.nn.Parameter(torch.zeros(8, 8)))])
+    result = sim.step_stacked([torch.full((N, 8, 8), 4e4).half(), torch.ones(N, 8, 8)])
+    assert torch.equal(result.update[0], torch.full((8, 8), 4e4).half())
+    assert [(c.tensor, c.nbytes, c.dtype) for c in result.traffic.collectives] == [
+        ("h", 256, "float32"), ("f", 256, "float32")]
+
+
 def test_count_sketch_is_linear_and_finds_heavy_hitters():
     cs = CountSketch(5000, rows=5, columns=200, seed=1)
     gen = torch.Generator().manual_seed(0)  # (unseeded, the estimate missed atol in 22 of 30,000 draws)

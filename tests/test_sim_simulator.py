@@ -70,10 +70,16 @@ def test_bad_inputs_are_refused():
     for worker, g, error, text in ((2, torch.zeros(5, 7), ValueError, r"'0.weight' from worker 2 has shape \(5, 7\)"),
                                    (1, torch.zeros(7, 5, dtype=torch.int64), TypeError, "worker 1 is torch.int64"),
                                    (3, torch.zeros(7, 5, dtype=torch.float64), TypeError,
-                                    "worker 3 is torch.float64, expected worker 0's dtype, torch.float32"),
+                                    "worker 3 is torch.float64, expected the parameter's dtype, torch.float32"),
                                    (0, [0.0] * 35, TypeError, "a tensor or None, got list")):
         with pytest.raises(error, match=text):
             sim.step([row if i != worker else [g] + row[1:] for i, row in enumerate(rows)])
+    # Horovod reduces every gradient in its parameter's dtype: another (on all workers) would keep
+    # memories and count bytes in it, and a checkpoint restore them in the parameter's
+    with pytest.raises(TypeError, match="'0.weight' is torch.float64, expected the parameter's dtype, torch.float32"):
+        sim.step_stacked([torch.zeros(4, *p.shape, dtype=torch.float64) for p in model.parameters()])
+    with pytest.raises(TypeError, match="'0.weight' from worker 0 is torch.float16, expected the parameter's"):
+        sim.step([[g.half() for g in row] for row in rows])
     assert sim.step_count == 0
     with pytest.raises(TypeError, match="diagnostics must be True or False"):
         Simulator(Dense(), 4, model.named_parameters(), diagnostics="no")
@@ -99,14 +105,14 @@ def test_checkpoint_round_trip_continues_identically(index):
     grads = [stacked_grads(model, 4, seed) for seed in range(6)]
     straight = Simulator(all_schemes()[index], 4, model.named_parameters())
     expected = [straight.step_stacked(g).update for g in grads]
-    first = Simulator(all_schemes()[index], 4, model.named_parameters())
+    first = Simulator(all_schemes()[index], np.int64(4), model.named_parameters())  # (NumPy's int too)
     for g in grads[:3]:
         first.step_stacked(g)
     buffer = io.BytesIO()
     torch.save(first.state_dict(), buffer)
     buffer.seek(0)
     second = Simulator(all_schemes()[index], 4, model.named_parameters())
-    second.load_state_dict(torch.load(buffer, weights_only=False))
+    second.load_state_dict(torch.load(buffer, weights_only=True))  # (torch.load's default)
     for t, g in enumerate(grads[3:], 3):
         torch.testing.assert_close(second.step_stacked(g).update, expected[t], rtol=0, atol=0)
     assert second.totals()["steps"] == 6
@@ -202,6 +208,13 @@ def test_per_worker_gradients_refuse_batches_of_another_number_of_workers():
     for bad_x, bad_y, label in ((x[:2], y, "inputs"), (x, y[:2], "targets"), (x, y.tolist(), "targets")):
         with pytest.raises(ValueError, match=f"{label} must be a tensor of \\(n, batch, ...\\) with n = 3"):
             per_worker_gradients(model, torch.nn.functional.cross_entropy, sim.worker_params(), bad_x, bad_y)
+    # worker_params that are no such tensors, or disagree on n, are named (not inputs, or an AttributeError)
+    mixed = sim.worker_params()
+    mixed[1] = mixed[1][:2]
+    with pytest.raises(ValueError, match=r"worker_params hold \[2, 3\] workers"):
+        per_worker_gradients(model, torch.nn.functional.cross_entropy, mixed, x, y)
+    with pytest.raises(TypeError, match="worker_params of '0.weight' must be a tensor of .n, .shape., got list"):
+        per_worker_gradients(model, torch.nn.functional.cross_entropy, [[0.0]] * 4, x, y)
 
 
 def test_per_worker_gradients_match_one_backward_per_worker():
@@ -238,6 +251,10 @@ def test_per_worker_gradients_of_a_simulator_given_some_of_the_parameters():
         per_worker_gradients(model, loss, sim.worker_params()[::-1], x, y, names=sim.names)
     with pytest.raises(ValueError, match="'nope', which is not a parameter"):
         per_worker_gradients(model, loss, sim.worker_params(), x, y, names=["nope", "2.bias"])
+    # All of model.named_parameters(), as the README's example passes them: the frozen layer would be
+    # counted and (its gradients taken regardless, set as .grad) trained; Horovod never reduces it
+    with pytest.raises(ValueError, match="'0.weight' does not require grad .*names=sim.names"):
+        Simulator(Dense(), 3, model.named_parameters())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -348,7 +365,7 @@ def test_step_stacked_refuses_non_tensors_and_dtypes_without_a_byte_size_before_
 def test_a_sketched_sgd_refused_by_a_simulator_can_be_bound_by_another():
     scheme = SketchedSGD(ratio=1.0, min_numel=0)
     with pytest.raises(ValueError, match="columns, 2"):  # 10 k >= 2**31 columns
-        Simulator(scheme, 2, [("w", torch.empty(15000, 15000, device="meta"))])
+        Simulator(scheme, 2, [("w", torch.nn.Parameter(torch.empty(15000, 15000, device="meta")))])
     assert scheme.specs is None
     sim = Simulator(scheme, 2, [("w", torch.nn.Parameter(torch.zeros(64, 64)))])
     assert sim.step_stacked([torch.ones(2, 64, 64)]).update[0].shape == (64, 64)

@@ -26,6 +26,21 @@ def _supported(dtype):
     return dtype.is_floating_point and dtype_name(dtype) in ITEMSIZE
 
 
+def _check_device(device):
+    """``device`` as a ``torch.device`` (None stays None); TypeError or ValueError naming ``device``
+    for one torch cannot parse or this machine does not have (torch's own error names neither)."""
+    if device is None:
+        return None
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
+        raise TypeError(f"device must be a torch.device, a device string or index, or None, got {device!r}")
+    try:
+        checked = torch.device(device)
+        torch.empty(0, device=checked)
+    except (RuntimeError, AssertionError, ValueError) as err:
+        raise ValueError(f"device {device!r} cannot be used here: {err}") from None
+    return checked
+
+
 @dataclasses.dataclass
 class StepResult:
     """One simulated step.
@@ -79,9 +94,16 @@ class Simulator:
 
     named_parameters: ``model.named_parameters()``; the simulator keeps references to the tensors
         (gradient schemes evaluate workers at the caller's current weights; model schemes copy them
-        once into per-worker local models).
+        once into per-worker local models). Every one must require grad: a frozen parameter (or a
+        buffer) is one ``hvd.DistributedOptimizer`` never reduces, so pass only those trained
+        (``[(n, p) for n, p in model.named_parameters() if p.requires_grad]``, and
+        ``names=sim.names`` to :func:`per_worker_gradients`); a ValueError names one that does not.
     diagnostics: whether schemes compute the optional diagnostics (ScaleCom's overlap, Sketched SGD's
         recall); residue norms are always reported.
+    device: where a local-SGD scheme (``QsparseLocalSGD``) keeps its per-worker and shared models
+        (default: the parameters' device); gradient schemes keep their state where the gradients
+        are. A ``torch.device``, a device string or index, checked here (a ValueError names a device
+        this machine does not have).
 
     Example::
 
@@ -99,11 +121,18 @@ class Simulator:
         if scheme.specs is not None:  # (its state, the workers' memories, belongs to that Simulator)
             raise ValueError(f"scheme is already simulated by another Simulator: make a new "
                              f"{type(scheme).__name__} for each Simulator")
-        check_int(n_workers, "n_workers", 1)
+        n_workers = check_int(n_workers, "n_workers", 1)  # (a Python int: NumPy's would go into state_dict())
         pairs = named_parameter_list(named_parameters, "Simulator")
         for name, p in pairs:
             if p.dtype.is_floating_point and not _supported(p.dtype):
                 raise TypeError(f"parameter {name!r} is {p.dtype}; the simulator takes {_DTYPES}")
+            if not p.requires_grad:
+                raise ValueError(f"parameter {name!r} does not require grad (frozen, or not a parameter): "
+                                 f"hvd.DistributedOptimizer never reduces it, so the simulator would count "
+                                 f"bytes for it and update it; pass only the parameters that are trained, "
+                                 f"[(n, p) for n, p in model.named_parameters() if p.requires_grad], and "
+                                 f"names=sim.names to per_worker_gradients")
+        device = _check_device(device)
         self.names = [name for name, _ in pairs]
         self.params = [p for _, p in pairs]
         self.specs = [TensorSpec(i, name, tuple(p.shape), p.numel(), p.dtype)
@@ -162,8 +191,8 @@ class Simulator:
                 elif tuple(g.shape) != spec.shape:
                     raise ValueError(f"gradient of {spec.name!r} from worker {i} has shape {tuple(g.shape)}, "
                                      f"expected {spec.shape}")
-                elif not _supported(g.dtype) or (rows and g.dtype != rows[0].dtype):
-                    expected = _DTYPES if not rows else f"worker 0's dtype, {rows[0].dtype}"
+                elif g.dtype != spec.dtype:  # (Horovod reduces a gradient in its parameter's dtype)
+                    expected = _DTYPES if not _supported(g.dtype) else f"the parameter's dtype, {spec.dtype}"
                     raise TypeError(f"gradient of {spec.name!r} from worker {i} is {g.dtype}, expected {expected}")
                 rows.append(g.detach())
             stacked.append(torch.stack(rows))
@@ -182,6 +211,9 @@ class Simulator:
                                  f"{(self.n, *spec.shape)}")
             if not _supported(g.dtype):
                 raise TypeError(f"gradient of {spec.name!r} is {g.dtype}, expected {_DTYPES}")
+            if g.dtype != spec.dtype:  # (state kept in one dtype and the bytes counted in another, else)
+                raise TypeError(f"gradient of {spec.name!r} is {g.dtype}, expected the parameter's dtype, "
+                                f"{spec.dtype} (Horovod reduces a gradient in its parameter's dtype)")
             flat.append(g.detach().reshape(self.n, spec.numel))
         with torch.no_grad():
             updates, record, diagnostics = self.scheme.step(flat, self.step_count)

@@ -19,7 +19,9 @@ NaN and the non-finite entries of ``u_i`` and ``v_i`` are reset to 0 (counted in
 so are a dense tensor's (applied as they are, NaN included).
 
 Uncompressed tensors get the same momentum and are applied densely (``mean_i u_i``, each ``u_i`` cast to
-the gradient's dtype for the wire as on Horovod: an fp16 sum beyond 65,504 is Inf). The learning rate
+the gradient's dtype for the wire as on Horovod: an fp16 sum beyond 65,504 is Inf); in warm-up the
+sketched tensors' ``u_i`` travel together, as on Horovod in their dtypes promoted (an fp16 matrix beside
+an fp32 one as fp32). The learning rate
 is the caller's: the paper's ``v <- v + lr u`` equals this with a constant learning rate. The caller's
 optimizer should therefore run without momentum of its own.
 
@@ -27,6 +29,8 @@ The equations are those of :mod:`hvd_scalecom.torch.sketched_steps` and the sett
 derived (which tensors are sketched, k, c, P k) by :class:`hvd_scalecom.baseline_config.SketchedSGDConfig`,
 both shared with the Horovod compressor :class:`hvd_scalecom.torch.SketchedSGD`.
 """
+
+import functools
 
 import torch
 
@@ -101,10 +105,17 @@ class SketchedSGD(Scheme):
                 self._v = torch.zeros_like(self._u)
             sizes = [s.numel for s in self.sketched]
             if t < self.config.warmup_steps:  # dense momentum SGD, nothing accumulated in v
+                # Horovod reduces u whole, in the sketched gradients' wire dtypes promoted (fp16 and
+                # fp32 matrices: all as fp32); counted in their own dtypes promoted (bf16 as bf16, as
+                # everywhere here: see hvd_scalecom.sim.traffic)
+                dtypes = [spec.dtype for spec in self.sketched]
+                counted = functools.reduce(torch.promote_types, dtypes)
+                wire = functools.reduce(torch.promote_types, [wire_dtype(d) for d in dtypes])
                 momentum_(self._u, G, self.momentum)
-                for spec, u in zip(self.sketched, torch.split(self._u, sizes, dim=1)):
-                    record.dense(spec.name, spec.numel, by_name[spec.name].dtype)
-                    updates[spec.name] = self._dense_mean(u, by_name[spec.name].dtype)
+                mean = mean_over_workers(self._u.to(wire))
+                for spec, part in zip(self.sketched, torch.split(mean, sizes)):
+                    record.dense(spec.name, spec.numel, counted)
+                    updates[spec.name] = part.to(spec.dtype)
                 reset_nonfinite_(self._u)
             else:
                 update = self._sketched_step(G, record, diagnostics)

@@ -32,12 +32,19 @@ def per_worker_gradients(model, loss_fn, worker_params, inputs, targets, names=N
     for name, stacked in zip(names, worker_params):
         if name not in own:
             raise ValueError(f"per_worker_gradients: names holds {name!r}, which is not a parameter of the model")
+        if not isinstance(stacked, torch.Tensor) or stacked.dim() < 1:
+            raise TypeError(f"per_worker_gradients: worker_params of {name!r} must be a tensor of (n, *shape), "
+                            f"got {type(stacked).__name__}"
+                            f"{f' of shape {tuple(stacked.shape)}' if isinstance(stacked, torch.Tensor) else ''}")
         if tuple(stacked.shape[1:]) != tuple(own[name].shape):
             raise ValueError(f"per_worker_gradients: worker_params of {name!r} have shape {tuple(stacked.shape)}, "
                              f"the parameter {tuple(own[name].shape)} (expected (n, *shape), in the order of names)")
     n = {int(stacked.shape[0]) for stacked in worker_params}
+    if len(n) > 1:
+        raise ValueError(f"per_worker_gradients: worker_params hold {sorted(n)} workers, one number for every "
+                         f"parameter expected (Simulator.worker_params())")
     for label, batches in (("inputs", inputs), ("targets", targets)):
-        if not isinstance(batches, torch.Tensor) or batches.dim() < 1 or int(batches.shape[0]) not in n or len(n) > 1:
+        if not isinstance(batches, torch.Tensor) or batches.dim() < 1 or int(batches.shape[0]) not in n:
             shape = tuple(batches.shape) if isinstance(batches, torch.Tensor) else type(batches).__name__
             raise ValueError(f"per_worker_gradients: {label} must be a tensor of (n, batch, ...) with n = "
                              f"{sorted(n)[0] if n else 0}, worker_params' first dimension, got {shape}")
