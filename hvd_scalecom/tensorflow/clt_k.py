@@ -33,12 +33,11 @@ def error_compensated(memory, grad):
     return memory + tf.cast(tf.reshape(grad, [-1]), memory.dtype)
 
 
-def selection_source(memory, grad):
+def selection_source(memory, grad, finite):
     """What the leader's step 2 selects from: ``p = m + g`` (:func:`error_compensated`), or ``m``
-    where ``g`` holds a NaN or Inf. Such a leader sends NaN, so every rank keeps its memory: ``m`` is
-    what the step leaves, and ``top_k(|m + g|)`` is not defined (as
-    :func:`hvd_scalecom.torch.clt_k.selection_of_nonfinite`)."""
-    finite = tf.reduce_all(tf.math.is_finite(grad))
+    where ``g`` holds a NaN or Inf (``finite``, a boolean scalar, false; the caller has it already).
+    Such a leader sends NaN, so every rank keeps its memory: ``m`` is what the step leaves, and
+    ``top_k(|m + g|)`` is not defined (as :func:`hvd_scalecom.torch.clt_k.selection_of_nonfinite`)."""
     return tf.cond(finite, lambda: error_compensated(memory, grad), lambda: tf.identity(memory))
 
 

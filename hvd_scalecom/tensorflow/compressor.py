@@ -301,16 +301,17 @@ class ScaleCom(tf.Module, Compressor):
         row = tf.cast(t % TIMING_STEPS, tf.int32)
 
         def compressed():
-            indices, wait_from = self._indices_for_step(slot, tensor, t, leader, rank, size,
+            # A non-finite gradient anywhere on this rank makes every value it sends NaN, so that all
+            # ranks see a non-finite reduction and skip the memory update (in decompress); a leader
+            # then selects from its memory (clt_k.selection_source). Read once for both.
+            finite = tf.reduce_all(tf.math.is_finite(tensor))  # (a sum could overflow: entry by entry)
+            indices, wait_from = self._indices_for_step(slot, tensor, finite, t, leader, rank, size,
                                                         index_dtype, start)
             received, indices = _stamp(indices)
             selected = []
             if self.config.pipelined:
-                selected = [self._select_ahead(slot, tensor, t, rank, size, index_dtype)]
+                selected = [self._select_ahead(slot, tensor, finite, t, rank, size, index_dtype)]
             memory_at_indices, exact = clt_k.take(slot.memory, tensor, indices)  # m_i[I], p_i[I]
-            # A non-finite gradient anywhere on this rank makes every value it sends NaN, so that all
-            # ranks see a non-finite reduction and skip the memory update (in decompress).
-            finite = tf.reduce_all(tf.math.is_finite(tensor))  # (a sum could overflow: entry by entry)
             values = tf.where(finite, tf.cast(exact, sent_dtype), tf.constant(float("nan"), sent_dtype))
             # The memory is updated once the leader has read p for its selection ahead.
             with tf.control_dependencies(selected):
@@ -355,12 +356,12 @@ class ScaleCom(tf.Module, Compressor):
         with tf.control_dependencies([check]):
             return tf.reshape(dense, slot.shape)
 
-    def _indices_for_step(self, slot, tensor, t, leader, rank, size, index_dtype, start):
+    def _indices_for_step(self, slot, tensor, finite, t, leader, rank, size, index_dtype, start):
         """The indices of step ``t`` on every rank, and when this rank started waiting for them:
         those selected a step ago when pipelined and there, else the leader's fresh top-k."""
 
         def exchange():
-            return self._exchange_indices(slot, tensor, leader, rank, size, index_dtype, start,
+            return self._exchange_indices(slot, tensor, finite, leader, rank, size, index_dtype, start,
                                           f"{self._prefix}_indices_{slot.index}")
 
         if not self.config.pipelined:
@@ -378,36 +379,36 @@ class ScaleCom(tf.Module, Compressor):
         indices, wait_from = tf.cond(tf.equal(slot.ahead_step, t), waiting, fresh)
         return tf.ensure_shape(indices, [slot.k]), wait_from
 
-    def _select_ahead(self, slot, tensor, t, rank, size, index_dtype):
+    def _select_ahead(self, slot, tensor, finite, t, rank, size, index_dtype):
         """Pipelined: the leader of step ``t + 1`` selects from this step's ``p`` and shares its
         indices now; every rank keeps them for step ``t + 1``. Returns this rank's selection (the
         exchange and the store run as side effects of the step)."""
         offset = slot.index if self.config.leader == "staggered" else 0
         leader = tf.cast((t + 1 + offset) % size, tf.int32)
-        mine = self._leader_choice(slot, tensor, leader, rank, index_dtype)
+        mine = self._leader_choice(slot, tensor, finite, leader, rank, index_dtype)
         indices = self._share(slot, mine, leader, rank, size, index_dtype,
                               f"{self._prefix}_ahead_{slot.index}")
         with tf.control_dependencies([slot.next_indices.assign(indices)]):
             slot.ahead_step.assign(t + 1)
         return mine
 
-    def _exchange_indices(self, slot, tensor, leader, rank, size, index_dtype, start, name):
+    def _exchange_indices(self, slot, tensor, finite, leader, rank, size, index_dtype, start, name):
         """The leader's top-k indices of ``p = m + g`` on every rank, and when this rank started
         waiting for them (no earlier than ``start``).
 
         The graph is the same on every rank (the leader test is a runtime ``tf.cond``): Horovod keys
         collectives by node names, which carry counters of the functions TF inlines before them.
         """
-        mine = self._leader_choice(slot, tensor, leader, rank, index_dtype)
+        mine = self._leader_choice(slot, tensor, finite, leader, rank, index_dtype)
         wait_from, mine = _stamp(mine, start)
         return self._share(slot, mine, leader, rank, size, index_dtype, name), wait_from
 
-    def _leader_choice(self, slot, tensor, leader, rank, index_dtype):
+    def _leader_choice(self, slot, tensor, finite, leader, rank, index_dtype):
         """The top-k indices of ``p = m + g`` on the leader (of ``m`` where ``g`` is not finite:
-        :func:`clt_k.selection_source`); a placeholder elsewhere."""
+        ``finite``, the test of ``g``: :func:`clt_k.selection_source`); a placeholder elsewhere."""
 
         def leader_top_k():
-            p = clt_k.selection_source(slot.memory, tensor)
+            p = clt_k.selection_source(slot.memory, tensor, finite)
             return clt_k.select_top_k(p, slot.k, self.config.selection, index_dtype)
 
         def not_leader():
