@@ -25,6 +25,10 @@ an fp32 one as fp32). The learning rate
 is the caller's: the paper's ``v <- v + lr u`` equals this with a constant learning rate. The caller's
 optimizer should therefore run without momentum of its own.
 
+Traffic counts what the algorithm sends (the sketch, the ``P k`` candidates, the dense momentum). The
+Horovod compressor's ``stats()`` adds a one-entry probe per sketched tensor, which Horovod's
+compress/decompress contract makes it send (an entry of the gradient's wire dtype each), not counted here.
+
 The equations are those of :mod:`hvd_scalecom.torch.sketched_steps` and the settings are checked and
 derived (which tensors are sketched, k, c, P k) by :class:`hvd_scalecom.baseline_config.SketchedSGDConfig`,
 both shared with the Horovod compressor :class:`hvd_scalecom.torch.SketchedSGD`.
