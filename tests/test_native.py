@@ -545,8 +545,15 @@ def test_a_missing_compiler_warns_and_falls_back_to_torch_operations(tmp_path):
             "    assert native.library() is None\n"
             "assert 'C kernels are unavailable' in str(caught[0].message)\n"
             "assert clt_k.take_checking(torch.zeros(4), torch.ones(4), torch.tensor([1])).values.item() == 1.0")
-    env = {**os.environ, "HVD_SCALECOM_CACHE": str(tmp_path), "CC": "no-such-compiler", "PATH": str(tmp_path)}
-    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    env = {**os.environ, "HVD_SCALECOM_CACHE": str(tmp_path), "PATH": str(tmp_path)}
+    env.pop("CC", None)
+    subprocess.run([sys.executable, "-c", code + "\nassert 'neither cc nor gcc' in str(caught[0].message)"],
+                   env=env, check=True)
+    # a $CC that is not found is not replaced by another compiler (gcc was used, unnoticed)
+    env = {**os.environ, "HVD_SCALECOM_CACHE": str(tmp_path / "cc"), "CC": "no-such-compiler"}
+    subprocess.run([sys.executable, "-c", code + "\nassert 'CC=no-such-compiler is not found' in str(caught[0].message)"],
+                   env=env, check=True)
+    assert not list((tmp_path / "cc").glob("native/*.so"))
 
 
 @pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx512f -mno-avx2"])

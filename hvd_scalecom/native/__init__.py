@@ -87,9 +87,15 @@ def _cpu_features():
 
 
 def _build():
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler found (set CC)")
+    chosen = os.environ.get("CC")
+    if chosen:  # (the compiler asked for, or none: another would be built and cached unnoticed)
+        compiler = shutil.which(chosen)
+        if compiler is None:
+            raise RuntimeError(f"CC={chosen} is not found")
+    else:
+        compiler = shutil.which("cc") or shutil.which("gcc")
+        if compiler is None:
+            raise RuntimeError("no C compiler found (neither cc nor gcc; set CC)")
     flags = FLAGS + os.environ.get("HVD_SCALECOM_CFLAGS", "").split()
     sources = []
     for path in SOURCE_PATHS:
