@@ -281,6 +281,21 @@ def test_sparse_as_dense_embedding(horovod_job):
     check_identical_weights(results, names)
 
 
+def test_two_embeddings_with_equal_densified_gradients_are_told_apart_under_the_optimizer(horovod_job):
+    """sparse_as_dense=True, two embeddings summed on the same tokens (equal gradients at every step):
+    each is compressed in its own hook, before the other's gradient of the pass exists, so each gets
+    its own memory. Staggered leaders give the two different selections, so a swap would show."""
+    names = NAMES + ["embed.weight", "embed2.weight"]
+    opts = {"ratio": 0.05, "beta": 0.5, "min_numel": 600, "steps": 5, "embedding": 2, "leader": "staggered",
+            "sparse_as_dense": True}
+    results, _ = horovod_job("torch_scalecom.py", opts, np=2)
+    for t in range(5):
+        np.testing.assert_array_equal(results[0][f"raw/{t}/embed.weight"], results[0][f"raw/{t}/embed2.weight"])
+    applied = check_against_reference(results, opts, steps=5, names=names)
+    assert any(not np.array_equal(applied[t]["embed.weight"], applied[t]["embed2.weight"]) for t in range(5))
+    check_identical_weights(results, names)
+
+
 def test_a_sparse_embedding_gradient_bypasses_scalecom_without_a_hang(horovod_job):
     """With Horovod's default sparse_as_dense=False a sparse gradient is allgathered without
     compress: the receives every rank posted ahead for it are dropped (its leader completes them

@@ -63,6 +63,8 @@ class Net(torch.nn.Module):
             self.hidden.weight = torch.nn.Parameter(self.hidden.weight.detach().t().contiguous().t())
         if opts.get("embedding"):
             self.embed = torch.nn.Embedding(50, 48, sparse=True)
+            if opts.get("embedding") == 2:  # a second, summed with it on the same tokens: equal gradients
+                self.embed2 = torch.nn.Embedding(50, 48, sparse=True)
         if opts.get("conv"):  # a 4-d weight of 2304 entries (channels_last with "channels_last")
             self.conv = torch.nn.Conv2d(3, 48, 4, bias=False)
         if opts.get("tied_embedding"):  # one Parameter in two modules: named_parameters() lists it once
@@ -73,6 +75,8 @@ class Net(torch.nn.Module):
     def forward(self, x, tokens=None, detach_out_weight=False):
         if tokens is not None:
             x = x + self.embed(tokens).mean(dim=1)
+            if opts.get("embedding") == 2:
+                x = x + self.embed2(tokens).mean(dim=1)
         if opts.get("conv"):
             x = x + self.conv(x.view(-1, 3, 4, 4).contiguous(
                 memory_format=torch.channels_last if opts.get("channels_last") else torch.contiguous_format)).view(-1, 48)
