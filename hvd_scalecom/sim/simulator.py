@@ -41,6 +41,14 @@ def _check_device(device):
     return checked
 
 
+def _check_gradient_dtype(spec, g, source=""):
+    """TypeError unless ``g`` has its parameter's dtype, as Horovod reduces it (another would keep the
+    memory, and count the bytes, in that dtype); ``source`` (" from worker i") goes into the message."""
+    if g.dtype != spec.dtype:
+        expected = _DTYPES if not _supported(g.dtype) else f"the parameter's dtype, {spec.dtype}"
+        raise TypeError(f"gradient of {spec.name!r}{source} is {g.dtype}, expected {expected}")
+
+
 @dataclasses.dataclass
 class StepResult:
     """One simulated step.
@@ -191,9 +199,8 @@ class Simulator:
                 elif tuple(g.shape) != spec.shape:
                     raise ValueError(f"gradient of {spec.name!r} from worker {i} has shape {tuple(g.shape)}, "
                                      f"expected {spec.shape}")
-                elif g.dtype != spec.dtype:  # (Horovod reduces a gradient in its parameter's dtype)
-                    expected = _DTYPES if not _supported(g.dtype) else f"the parameter's dtype, {spec.dtype}"
-                    raise TypeError(f"gradient of {spec.name!r} from worker {i} is {g.dtype}, expected {expected}")
+                else:
+                    _check_gradient_dtype(spec, g, f" from worker {i}")
                 rows.append(g.detach())
             stacked.append(torch.stack(rows))
         return self.step_stacked(stacked)
@@ -209,11 +216,7 @@ class Simulator:
             if tuple(g.shape) != (self.n, *spec.shape):
                 raise ValueError(f"gradient of {spec.name!r} has shape {tuple(g.shape)}, expected "
                                  f"{(self.n, *spec.shape)}")
-            if not _supported(g.dtype):
-                raise TypeError(f"gradient of {spec.name!r} is {g.dtype}, expected {_DTYPES}")
-            if g.dtype != spec.dtype:  # (state kept in one dtype and the bytes counted in another, else)
-                raise TypeError(f"gradient of {spec.name!r} is {g.dtype}, expected the parameter's dtype, "
-                                f"{spec.dtype} (Horovod reduces a gradient in its parameter's dtype)")
+            _check_gradient_dtype(spec, g)
             flat.append(g.detach().reshape(self.n, spec.numel))
         with torch.no_grad():
             updates, record, diagnostics = self.scheme.step(flat, self.step_count)

@@ -47,7 +47,7 @@ from hvd_scalecom.torch.common import wire_dtype
 from hvd_scalecom.torch.sketch import CountSketch
 from hvd_scalecom.torch.sketched_steps import (accumulate_, applied_update, heavy_candidates, momentum_,
                                                reset_nonfinite_, select_applied, skip_nonfinite_, vector_dtype,
-                                               zero_applied_)
+                                               warmup_wire_dtype, zero_applied_)
 
 
 class SketchedSGD(Scheme):
@@ -114,7 +114,7 @@ class SketchedSGD(Scheme):
                 # everywhere here: see hvd_scalecom.sim.traffic)
                 dtypes = [spec.dtype for spec in self.sketched]
                 counted = functools.reduce(torch.promote_types, dtypes)
-                wire = functools.reduce(torch.promote_types, [wire_dtype(d) for d in dtypes])
+                wire = warmup_wire_dtype(dtypes)
                 momentum_(self._u, G, self.momentum)
                 mean = mean_over_workers(self._u.to(wire))
                 for spec, part in zip(self.sketched, torch.split(mean, sizes)):

@@ -46,7 +46,6 @@ scales the applied update (the paper's ``v <- v + lr u`` with a constant learnin
 :meth:`SketchedSGD.check_optimizer` raises if it is not.
 """
 
-import functools
 import time
 import warnings
 
@@ -66,7 +65,7 @@ from hvd_scalecom.torch.common import (GradientLookup, as_memory_of, check_agree
 from hvd_scalecom.torch.sketch import CountSketch
 from hvd_scalecom.torch.sketched_steps import (accumulate_, applied_update, heavy_candidates, momentum_,
                                                reset_nonfinite_, select_applied, skip_nonfinite_, vector_dtype,
-                                               zero_applied_)
+                                               warmup_wire_dtype, zero_applied_)
 from hvd_scalecom.traffic import TrafficMeter, allreduce_bytes_sent
 
 SKETCH_NAME = "sketched_sgd.sketch"
@@ -387,9 +386,7 @@ class SketchedSGD(Compressor):
         return vector_dtype([self._params[i].dtype for i in self._sketched])
 
     def _warmup_dtype(self):
-        """The dtype a warm-up step's u travels in: the sketched gradients' wire dtypes, promoted (each
-        gradient's own where they agree, as the optimizer's dense allreduce would send it)."""
-        return functools.reduce(torch.promote_types, [wire_dtype(self._params[i].dtype) for i in self._sketched])
+        return warmup_wire_dtype([self._params[i].dtype for i in self._sketched])
 
     def _buffers(self, tensor):
         if self._u is None:

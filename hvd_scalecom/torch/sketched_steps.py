@@ -22,6 +22,7 @@ import functools
 import torch
 
 from hvd_scalecom.torch import clt_k
+from hvd_scalecom.torch.common import wire_dtype
 
 
 def momentum_(u, g, rho):
@@ -95,6 +96,13 @@ def reset_nonfinite_(*states):
     for state in states:
         if not clt_k.all_finite(state):
             state.masked_fill_(~torch.isfinite(state), 0.0)
+
+
+def warmup_wire_dtype(dtypes):
+    """The dtype a warm-up step's momentum of the sketched gradients (of ``dtypes``) travels in, whole:
+    their wire dtypes (:func:`hvd_scalecom.torch.common.wire_dtype`) promoted, so each gradient's own
+    where they agree, as the optimizer's dense allreduce would send it."""
+    return functools.reduce(torch.promote_types, [wire_dtype(d) for d in dtypes])
 
 
 def vector_dtype(dtypes):
