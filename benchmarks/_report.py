@@ -68,6 +68,7 @@ def number(kind=int, *, minimum=None, above=None, maximum=None):
 
 
 COUNT = number(int, minimum=1)
+NON_NEGATIVE = number(int, minimum=0)
 RATIO = number(float, above=0, maximum=1)
 SECONDS = number(float, above=0)
 

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks._report import command_line, number, output_file, output_path, write_text
+from benchmarks._report import NON_NEGATIVE, command_line, output_file, output_path, write_text
 from hvd_scalecom.launch import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,7 +80,7 @@ def markdown(rows, seeds, command, epochs=25):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--smoke", action="store_true", help="seed 0, 1 epoch (unless --seeds; --dense still adds dense)")
-    ap.add_argument("--seeds", type=number(int, minimum=0), nargs="+", default=None,
+    ap.add_argument("--seeds", type=NON_NEGATIVE, nargs="+", default=None,
                     help="default 0 1 2 3 4; 0 with --smoke")
     ap.add_argument("--dense", action="store_true", help="also run each example dense")
     ap.add_argument("--report-only", action="store_true", help="rewrite the page from its JSON")

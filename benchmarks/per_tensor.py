@@ -22,7 +22,7 @@ import tempfile
 import torch
 
 from benchmarks import kernels
-from benchmarks._report import COUNT, command_line, cpu, number, output_file, output_path, replace_section
+from benchmarks._report import COUNT, NON_NEGATIVE, command_line, cpu, output_file, output_path, replace_section
 from hvd_scalecom.launch import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,7 +88,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--smoke", action="store_true", help="4 tensors of 4,096 entries, 3 steps, into a temp dir")
     ap.add_argument("--steps", type=COUNT, default=None, help="timed steps (default 40; 3 with --smoke)")
-    ap.add_argument("--warmup", type=number(int, minimum=0), default=None, help="untimed steps first (default 5; 1 with --smoke)")
+    ap.add_argument("--warmup", type=NON_NEGATIVE, default=None, help="untimed steps first (default 5; 1 with --smoke)")
     ap.add_argument("--rounds", type=COUNT, default=None, help="rounds of the clt_k timing (default 400)")
     ap.add_argument("--out", type=output_file, default=None, help="markdown file (default docs/performance.md)")
     args = ap.parse_args(argv)

@@ -44,7 +44,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks._report import COUNT, SECONDS, number, output_file, output_path, replace_section, shown_arguments
+from benchmarks._report import COUNT, NON_NEGATIVE, SECONDS, output_file, output_path, replace_section, shown_arguments
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "benchmarks", "_slow_link_worker.py")
@@ -433,7 +433,7 @@ def main(argv=None):
                     help="JSON merged into every ScaleCom job's constructor arguments")
     ap.add_argument("--widths", type=widths, default=None)
     ap.add_argument("--batch", type=COUNT, default=8, help="per worker")
-    ap.add_argument("--warmup", type=number(int, minimum=0), default=None)
+    ap.add_argument("--warmup", type=NON_NEGATIVE, default=None)
     ap.add_argument("--steps", type=COUNT, default=None)
     ap.add_argument("--repeats", type=COUNT, default=None, help="runs of each job (default 2; 1 in --smoke)")
     ap.add_argument("--timeout", type=SECONDS, default=900)

@@ -309,7 +309,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=_report.COUNT, default=None, help="default 2000; 20 with --smoke")
     ap.add_argument("--every", type=_report.COUNT, default=None,
                     help="record every N steps (default 20; 5 with --smoke)")
-    ap.add_argument("--warmup", type=_report.number(int, minimum=0), default=None,
+    ap.add_argument("--warmup", type=_report.NON_NEGATIVE, default=None,
                     help="steps before the RSS reference (default steps / 10)")
     ap.add_argument("--timeout", type=_report.SECONDS, default=3600)
     ap.add_argument("--out-dir", default=None, help="default docs/ (a new temp dir with --smoke)")
