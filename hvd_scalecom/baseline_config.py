@@ -11,8 +11,8 @@ which validate their settings through these classes too, so both paths accept an
 
 import dataclasses
 
-from hvd_scalecom.config import (INDEX_DTYPES, INT32_INDEX_MAX_NUMEL, INT64_LIMIT, ScaleComConfig, check_int,
-                                 check_real)
+from hvd_scalecom.config import (INDEX_DTYPES, INT32_INDEX_MAX_NUMEL, INT64_LIMIT, ScaleComConfig, check_dtype_name,
+                                 check_int, check_real)
 
 QSPARSE_OPERATORS = ("top_k", "sign_top_k", "qsgd_top_k")
 MAX_SKETCH_COLUMNS = 2**31  # a count sketch's columns stay below it (its hashes: m c < 2**63)
@@ -114,7 +114,8 @@ class QsparseConfig:
     levels: s of QSGD (the authors' code: 256); at most 2**24, the integers float32 holds exactly.
     min_numel: tensors with fewer entries are averaged densely at each synchronisation.
     seed: seed of QSGD's stochastic rounding (the same stream on every rank, each rank its own row).
-    index_dtype: ``"int32"`` (int64 for tensors of 2**31 entries or more) or ``"int64"``.
+    index_dtype: ``"int32"`` (int64 for tensors of 2**31 entries or more) or ``"int64"`` (or the torch or
+        NumPy dtypes), as ScaleCom's.
     """
 
     local_steps: int = 8
@@ -138,8 +139,7 @@ class QsparseConfig:
         object.__setattr__(self, "seed", check_seed(self.seed))
         if self.operator not in QSPARSE_OPERATORS:
             raise ValueError(f"operator must be one of {QSPARSE_OPERATORS}, got {self.operator!r}")
-        if self.index_dtype not in INDEX_DTYPES:
-            raise ValueError(f"index_dtype must be one of {INDEX_DTYPES}, got {self.index_dtype!r}")
+        object.__setattr__(self, "index_dtype", check_dtype_name(self.index_dtype, "index_dtype", INDEX_DTYPES))
 
     def num_selected(self, numel):
         k = _shared(self.ratio, 0, self.min_numel).num_selected(numel)

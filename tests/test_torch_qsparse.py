@@ -467,6 +467,24 @@ def test_bad_arguments(kwargs, error, argument):
         QsparseLocalSGD(optimizer, model.named_parameters(), **kwargs)
 
 
+@pytest.mark.parametrize("index_dtype", [np.int32, torch.float32, "torch.int64", np.dtype("float16")])
+def test_a_bad_index_dtype_gets_scalecoms_error(index_dtype):
+    """index_dtype is read as ScaleCom reads it: a bad one is refused with ScaleCom's message, naming the
+    value as given (a NumPy type was named as "int32'>", torch.float32 as 'float32')."""
+    from hvd_scalecom.baseline_config import QsparseConfig
+    from hvd_scalecom.torch import QsparseLocalSGD, ScaleCom
+
+    model, optimizer = small_setup()
+    with pytest.raises(ValueError) as scalecom:
+        ScaleCom(model.named_parameters(), index_dtype=index_dtype)
+    with pytest.raises(ValueError, match="index_dtype") as qsparse:
+        QsparseLocalSGD(optimizer, model.named_parameters(), index_dtype=index_dtype)
+    assert str(qsparse.value) == str(scalecom.value)
+    for good in (torch.int64, np.dtype("int64"), "int64"):
+        assert QsparseConfig(index_dtype=good).index_dtype == "int64"
+        assert QsparseLocalSGD(optimizer, model.named_parameters(), index_dtype=good).config.index_dtype == "int64"
+
+
 def test_bad_optimizer_and_parameters():
     from hvd_scalecom.torch import QsparseLocalSGD
 

@@ -101,8 +101,6 @@ class QsparseLocalSGD(torch.optim.Optimizer):
         if hasattr(type(optimizer), "synchronize") and hasattr(type(optimizer), "skip_synchronize"):
             raise ValueError("optimizer must be a plain torch optimizer, not hvd.DistributedOptimizer: "
                              "QsparseLocalSGD synchronises the model itself, every local_steps steps")
-        if not isinstance(index_dtype, str):
-            index_dtype = str(index_dtype).rsplit(".", 1)[-1]
         self.config = QsparseConfig(local_steps=local_steps, ratio=ratio, max_k=max_k, operator=operator,
                                     levels=levels, min_numel=min_numel, seed=seed, index_dtype=index_dtype)
         pairs = named_parameter_list(named_parameters, "QsparseLocalSGD")
