@@ -595,3 +595,34 @@ def test_step_hooks_deepcopy_and_pickle():
         for a, b in zip(model.parameters(), m.parameters()):
             assert torch.equal(a, b)
         assert opt.stats()["index_bytes"] == wrapped.stats()["index_bytes"] > 0
+
+
+def test_state_dict_hooks_register_and_run_as_in_torch():
+    """torch's state-dict hooks (register_state_dict_pre_hook and the three others) register on the
+    wrapper and run around its state_dict() and load_state_dict() (registering one was an
+    AttributeError); a deepcopy drops them, as torch's optimizers do."""
+    import copy
+
+    from hvd_scalecom.torch import QsparseLocalSGD
+
+    model, optimizer = small_setup()
+    wrapped = QsparseLocalSGD(optimizer, model.named_parameters(), local_steps=4, ratio=0.1)
+    calls = []
+    wrapped.register_state_dict_pre_hook(lambda opt: calls.append(("save pre", opt is wrapped)))
+    wrapped.register_state_dict_post_hook(lambda opt, state: {**state, "epoch": 3})
+
+    def renamed(opt, state):  # a state saved under another key
+        calls.append(("load pre", state.get("epoch")))
+        return {("qsparse_local_sgd" if k == "old" else k): v for k, v in state.items() if k != "epoch"}
+
+    wrapped.register_load_state_dict_pre_hook(renamed)
+    wrapped.register_load_state_dict_post_hook(lambda opt: calls.append(("load post", opt is wrapped)))
+    state = wrapped.state_dict()
+    assert state["epoch"] == 3 and calls == [("save pre", True)]
+    state["qsparse_local_sgd"]["step"] = 4
+    state["old"] = state.pop("qsparse_local_sgd")
+    wrapped.load_state_dict(state)
+    assert calls[1:] == [("load pre", 3), ("load post", True)]
+    assert wrapped.state_dict()["qsparse_local_sgd"]["step"] == 4
+    copied = copy.deepcopy(wrapped)
+    assert not copied._optimizer_state_dict_post_hooks and "epoch" not in copied.state_dict()

@@ -55,6 +55,11 @@ from hvd_scalecom.traffic import TrafficMeter, allgather_bytes_sent, allreduce_b
 PAYLOAD_NAME = "qsparse_local_sgd.payload"
 DENSE_NAME = "qsparse_local_sgd.dense"
 _STATE_KEY = "qsparse_local_sgd"
+# torch's hook registries (register_step_*_hook, register_state_dict_*_hook,
+# register_load_state_dict_*_hook), which torch.optim.Optimizer.__init__ would make
+_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+          "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+          "_optimizer_load_state_dict_post_hooks")
 
 
 class QsparseLocalSGD(torch.optim.Optimizer):
@@ -122,9 +127,7 @@ class QsparseLocalSGD(torch.optim.Optimizer):
         self._last_sync = None
         self.nonfinite_skips = 0  # compressed tensor-synchronisations whose memory update a non-finite mean skipped
         self.traffic = TrafficMeter(keep=4 * self.config.local_steps)  # the last five synchronisations
-        self._optimizer_step_pre_hooks = OrderedDict()  # (what torch's register_step_*_hook need)
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._patch_step_function()
+        self._reset_hooks()
 
     # -- torch.optim.Optimizer interface -----------------------------------------------------------
 
@@ -143,14 +146,16 @@ class QsparseLocalSGD(torch.optim.Optimizer):
     def __repr__(self):
         return f"QsparseLocalSGD({self.config}, {self.optimizer!r})"
 
-    def __getstate__(self):  # (copy.deepcopy, pickle: the whole wrapper; step hooks dropped, as torch does)
-        return {k: v for k, v in self.__dict__.items()
-                if k not in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")}
+    def __getstate__(self):  # (copy.deepcopy, pickle: the whole wrapper; hooks dropped, as torch does)
+        return {k: v for k, v in self.__dict__.items() if k not in _HOOKS}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
+        self._reset_hooks()
+
+    def _reset_hooks(self):
+        for name in _HOOKS:
+            setattr(self, name, OrderedDict())
         self._patch_step_function()
 
     def zero_grad(self, set_to_none=True):
@@ -218,7 +223,10 @@ class QsparseLocalSGD(torch.optim.Optimizer):
 
     def state_dict(self):
         """The wrapped optimizer's state dict, with this wrapper's state (step counter, ``x_last``,
-        error memories, QSGD's generator, configuration) under ``"qsparse_local_sgd"``."""
+        error memories, QSGD's generator, configuration) under ``"qsparse_local_sgd"``; hooks registered
+        with ``register_state_dict_pre_hook``/``_post_hook`` run around it, as in torch."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
         state = self.optimizer.state_dict()
         params = {}
         for i, name in enumerate(self._names):
@@ -228,11 +236,23 @@ class QsparseLocalSGD(torch.optim.Optimizer):
                             "memory": None if memory is None else memory.reshape(-1).clone()}
         state[_STATE_KEY] = {"config": self.config.as_dict(), "step": self._step, "params": params,
                              "generator": self._generator.get_state(), "last_sync": self._last_sync}
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, state)
+            if result is not None:
+                state = result
         return state
 
     def load_state_dict(self, state_dict):
         """Restore :meth:`state_dict`'s output (wrapper and wrapped optimizer); checks the wrapper's part
-        before changing anything. Ranks compare their steps and models at the next synchronisation."""
+        before changing anything. Ranks compare their steps and models at the next synchronisation.
+        Hooks registered with ``register_load_state_dict_pre_hook``/``_post_hook`` run before (on a
+        shallow copy; one may return the dict to load) and after, as in torch."""
+        if isinstance(state_dict, dict):
+            state_dict = dict(state_dict)
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         if not isinstance(state_dict, dict) or _STATE_KEY not in state_dict:
             raise ValueError("state_dict must be a dict returned by QsparseLocalSGD.state_dict()")
         mine = state_dict[_STATE_KEY]
@@ -275,6 +295,8 @@ class QsparseLocalSGD(torch.optim.Optimizer):
         self._memory = [None if params[n].get("memory") is None else as_memory_of(params[n]["memory"], p).reshape(1, -1)
                         for n, p in zip(self._names, self._params)]
         self._generator.set_state(mine["generator"])
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
 
     # -- internals ---------------------------------------------------------------------------------
 
