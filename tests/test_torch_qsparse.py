@@ -79,6 +79,11 @@ add_run("np2_first", "qsparse_nan", "torch_seed_qsparse.py", NAN,
 BF16_QSGD = {**QSGD_OPTS, "local_steps": 2, "steps": 5, "dtype": "bfloat16"}
 add_run("np2_first", "qsparse_bf16", "torch_seed_qsparse.py", BF16_QSGD,
         ["test_bf16_parameters_synchronise_through_an_fp32_model_as_the_simulator_does"])
+# torch.amp.GradScaler on every rank; rank 1's loss is inf at steps 2 and 5 (5: a synchronisation)
+SCALER = {"operator": "top_k", "local_steps": 2, "ratio": 0.05, "min_numel": 600, "steps": 6,
+          "scaler": {"inf_at": [[2, 1], [5, 1]]}}
+add_run("np2_first", "qsparse_scaler", "torch_seed_qsparse.py", SCALER,
+        ["test_a_step_the_grad_scaler_skips_on_one_rank_still_counts"])
 
 
 class Net(torch.nn.Module):
@@ -626,3 +631,60 @@ def test_state_dict_hooks_register_and_run_as_in_torch():
     assert wrapped.state_dict()["qsparse_local_sgd"]["step"] == 4
     copied = copy.deepcopy(wrapped)
     assert not copied._optimizer_state_dict_post_hooks and "epoch" not in copied.state_dict()
+
+
+def test_a_step_the_grad_scaler_skips_on_one_rank_still_counts(request, tmp_path_factory):
+    """np=2, TopK, H = 2, every step through torch.amp.GradScaler: rank 1's gradients are inf at steps 2
+    and 5, which its scaler skips (its scale halves twice, rank 0's stays). The skipped steps count, so
+    both ranks synchronise at steps 1, 3 and 5, rank 1 at 5 without a local step; step by step as the
+    simulator fed the unscaled gradients, zero at the skipped steps. (Counting only the steps taken,
+    rank 1 synchronised at its step 4 with rank 0's 3, and rank 0's third synchronisation found
+    rank 1 gone.)"""
+    results = completed(shared_job("np2_first", request, tmp_path_factory), "qsparse_scaler", 2)
+    assert [float(results[0][f"scale/{t}"]) for t in range(6)] == [1024.0] * 6
+    assert [float(results[1][f"scale/{t}"]) for t in range(6)] == [1024.0] * 2 + [512.0] * 3 + [256.0]
+    replay(simulator(SCALER, 2), results, 6)
+    for t in (1, 3, 5):
+        check_synchronised(results, t)
+    assert not np.array_equal(results[0]["local/4/out.weight"], results[1]["local/4/out.weight"])
+
+
+def test_grad_scaler_unscale_then_step_and_skipped_steps():
+    """One rank: scaler.unscale_ (for clipping) then scaler.step leaves the gradients unscaled once,
+    and scaler.step alone unscales them: both give plain SGD's weights exactly (the scale is a power
+    of two); an iteration with inf gradients takes no local step, yet counts (H = 3: the
+    synchronisation comes at the third call of step())."""
+    import horovod.torch as hvd
+    from hvd_scalecom.torch import QsparseLocalSGD
+
+    hvd.init()  # (one rank, in this process)
+    plain_model, plain = small_setup()
+    runs = [small_setup() for _ in range(2)]
+    scaled = [(m, QsparseLocalSGD(opt, m.named_parameters(), local_steps=3, ratio=1.0), torch.amp.GradScaler(
+        "cpu", init_scale=2.0 ** 12)) for m, opt in runs]
+    x = torch.randn(3, 40, generator=torch.Generator().manual_seed(1))
+    plain.zero_grad()
+    plain_model(x).square().sum().backward()
+    plain.step()
+    for unscale_first, (m, opt, scaler) in zip((True, False), scaled):
+        opt.zero_grad()
+        scaler.scale(m(x).square().sum()).backward()
+        if unscale_first:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        for a, b in zip(plain_model.parameters(), m.parameters()):
+            assert torch.equal(a, b)
+        assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
+        before = [p.detach().clone() for p in m.parameters()]
+        opt.zero_grad()
+        scaler.scale(m(x).square().sum() * float("inf")).backward()
+        scaler.step(opt)
+        scaler.update()
+        assert scaler.get_scale() == 2.0 ** 11
+        assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+        assert opt.state_dict()["qsparse_local_sgd"]["step"] == 2 and opt.stats()["index_bytes"] == 0
+        opt.zero_grad()
+        scaler.scale(m(x).square().sum()).backward()
+        scaler.step(opt)
+        assert opt.stats()["step"] == 2 and opt.stats()["index_bytes"] > 0

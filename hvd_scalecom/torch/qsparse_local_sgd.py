@@ -90,11 +90,19 @@ class QsparseLocalSGD(torch.optim.Optimizer):
             loss_fn(model(x), y).backward()
             optimizer.step()            # every 8th step synchronises the model
 
+    With ``torch.amp.GradScaler``, ``scaler.step(optimizer)`` calls ``step()`` at every iteration: an
+    iteration whose gradients are not finite takes no local step but still counts, so that every rank
+    synchronises at the same iterations (a rank whose step the scaler skipped would otherwise
+    synchronise one iteration late, and at the end of a loop wait for ranks already gone).
+
     To broadcast the local optimizer's state, call ``hvd.broadcast_optimizer_state(local, 0)`` on
     the local optimizer, before wrapping it: given this wrapper while the local optimizer has no
     state yet, Horovod calls ``step()`` to make some, and that would count as a local step here
     (every later synchronisation then comes one step early).
     """
+
+    # torch.amp.GradScaler.step then calls step() at every iteration, with found_inf and grad_scale set
+    _step_supports_amp_scaling = True
 
     def __init__(self, optimizer, named_parameters, local_steps=8, ratio=0.01, *, max_k=None,
                  operator="sign_top_k", levels=256, min_numel=0, seed=0, index_dtype="int32",
@@ -171,19 +179,42 @@ class QsparseLocalSGD(torch.optim.Optimizer):
         wrapper's state (step, ``x_last``, memories, QSGD's generator) left as it was before the
         call; the local optimizer's step has been taken (restore a checkpoint on every rank). Where the
         first step's configuration check refuses it, nothing has changed (no local step either): fix
-        the cause, e.g. broadcast the model, and step again."""
+        the cause, e.g. broadcast the model, and step again. Called by ``torch.amp.GradScaler.step``
+        (``found_inf`` and ``grad_scale`` set), the local step is skipped where the gradients are not
+        finite, and otherwise takes them divided by ``grad_scale`` (as ``scaler.unscale_`` would)."""
+        try:
+            return self._step_once(closure, getattr(self, "found_inf", None), getattr(self, "grad_scale", None))
+        except BaseException:
+            self.__dict__.pop("found_inf", None)  # (GradScaler removes them only after a step that returns)
+            self.__dict__.pop("grad_scale", None)
+            raise
+
+    def _step_once(self, closure, found_inf, grad_scale):
         shared = self._shared
         if shared is None:  # x_last, kept once the ranks agree on it
             shared = [p.detach().reshape(-1).to(clt_k.memory_dtype(p.dtype), copy=True) for p in self._params]
         if not self._agreed:
             self._check_agreement(shared)
         self._shared = shared
-        loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        loss = None
+        if found_inf is None or not bool(found_inf):
+            if grad_scale is not None:
+                self._unscale_grads(grad_scale)
+            loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
         t = self._step
         if self.config.is_sync_step(t):
             self._synchronize(t)  # (raises, this wrapper's state unchanged, where the ranks' states differ)
         self._step = t + 1
         return loss
+
+    def _unscale_grads(self, grad_scale):
+        """Every gradient of the local optimizer times the float32 reciprocal of ``grad_scale``, as
+        ``torch.amp.GradScaler.unscale_`` computes it (exact for its power-of-two scales)."""
+        inverse = grad_scale.double().reciprocal().float()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(inverse.to(p.grad.device))
 
     # -- state and statistics -----------------------------------------------------------------------
 

@@ -10,7 +10,11 @@ step, and ``memory/<t>/<name>`` holds the error memories after every step (absen
 rank 0 as the error advises, and the step taken again on new gradients; with ``expect_refusal`` a
 ValueError of a step is recorded (``refused``) and the run stops. ``per_rank`` (``{rank: options}``)
 applies to every option (``dtype`` too); ``bf16_values``: the model's values rounded to bfloat16 on every
-rank (as from a bfloat16 checkpoint), then cast to ``dtype``.
+rank (as from a bfloat16 checkpoint), then cast to ``dtype``; with ``scaler`` (``{"inf_at": [[step,
+rank], ...]}``) every step goes through a ``torch.amp.GradScaler`` (``scaler.step(optimizer)``, initial
+scale 1024), the loss of the listed ranks and steps times inf; ``raw`` then holds the unscaled gradient
+(exact: the scales are powers of two), zeros where the scaler skips the step, and ``scale/<t>`` the
+scale after ``scaler.update()``.
 """
 
 import copy
@@ -76,6 +80,8 @@ def as_numpy(tensor):
 
 
 nan_at = {(t, r): name for t, r, name in opts.get("nan_at", [])}
+scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if "scaler" in opts else None
+inf_at = {tuple(pair) for pair in opts.get("scaler", {}).get("inf_at", [])}
 record = {}
 first_step = opts.get("first_step", 0)
 for t in range(first_step, first_step + opts.get("steps", 6)):
@@ -87,6 +93,18 @@ for t in range(first_step, first_step + opts.get("steps", 6)):
     x = torch.randn(16, 48, generator=data_gen).to(next(model.parameters()).dtype)
     y = torch.randint(0, 10, (16,), generator=data_gen)
     optimizer.zero_grad()
+    if scaler is not None:
+        loss = torch.nn.functional.cross_entropy(model(x), y) * (float("inf") if (t, rank) in inf_at else 1.0)
+        scaler.scale(loss).backward()
+        for name, p in named:  # (what the local step takes: a skipped step is one of zero gradient for SGD)
+            record[f"raw/{t}/{name}"] = as_numpy(p.grad / scaler.get_scale() if (t, rank) not in inf_at
+                                                 else torch.zeros_like(p))
+        scaler.step(optimizer)
+        scaler.update()
+        record[f"scale/{t}"] = np.array(scaler.get_scale())
+        for name, p in named:
+            record[f"local/{t}/{name}"] = as_numpy(p)
+        continue
     torch.nn.functional.cross_entropy(model(x), y).backward()
     if (t, rank) in nan_at:
         dict(named)[nan_at[t, rank]].grad.view(-1)[7] = float("nan")
