@@ -513,6 +513,14 @@ def test_bad_optimizer_and_parameters():
         QsparseLocalSGD(wrapped, model.named_parameters())
     with pytest.raises(ValueError, match="parameter groups"):
         wrapped.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    import horovod.torch as hvd
+    hvd.init()  # (one rank, in this process)
+    with pytest.raises(TypeError, match="hvd.DistributedOptimizer cannot wrap a QsparseLocalSGD"):
+        hvd.DistributedOptimizer(wrapped, named_parameters=model.named_parameters())
+    class Subclass(QsparseLocalSGD):  # (a subclass of its own is a QsparseLocalSGD as any)
+        pass
+    model, optimizer = small_setup()
+    assert Subclass(optimizer, model.named_parameters()).config == wrapped.config
 
 
 def test_state_dict_round_trip_and_checks():

@@ -104,6 +104,14 @@ class QsparseLocalSGD(torch.optim.Optimizer):
     # torch.amp.GradScaler.step then calls step() at every iteration, with found_inf and grad_scale set
     _step_supports_amp_scaling = True
 
+    def __init_subclass__(cls, **kwargs):
+        """TypeError for the subclass ``hvd.DistributedOptimizer`` makes of its optimizer's class (one
+        with Horovod's ``synchronize`` and ``skip_synchronize``): this wrapper synchronises by itself."""
+        if "synchronize" in cls.__dict__ and "skip_synchronize" in cls.__dict__:
+            raise TypeError("hvd.DistributedOptimizer cannot wrap a QsparseLocalSGD, which synchronises the "
+                            "model itself every local_steps steps: step the QsparseLocalSGD directly")
+        super().__init_subclass__(**kwargs)
+
     def __init__(self, optimizer, named_parameters, local_steps=8, ratio=0.01, *, max_k=None,
                  operator="sign_top_k", levels=256, min_numel=0, seed=0, index_dtype="int32",
                  process_set=None):
