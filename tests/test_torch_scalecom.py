@@ -281,13 +281,17 @@ def test_sparse_as_dense_embedding(horovod_job):
     check_identical_weights(results, names)
 
 
-def test_two_embeddings_with_equal_densified_gradients_are_told_apart_under_the_optimizer(horovod_job):
+@pytest.mark.parametrize("frozen_layer", [False, True])
+def test_two_embeddings_with_equal_densified_gradients_are_told_apart_under_the_optimizer(horovod_job, frozen_layer):
     """sparse_as_dense=True, two embeddings summed on the same tokens (equal gradients at every step):
     each is compressed in its own hook, before the other's gradient of the pass exists, so each gets
-    its own memory. Staggered leaders give the two different selections, so a swap would show."""
+    its own memory. Staggered leaders give the two different selections, so a swap would show. With
+    a layer frozen from the start among ScaleCom's parameters (never reduced: its step counter stays
+    0), the second embedding of a step was no longer told from the first, from step 1 on (a
+    ValueError naming both)."""
     names = NAMES + ["embed.weight", "embed2.weight"]
     opts = {"ratio": 0.05, "beta": 0.5, "min_numel": 600, "steps": 5, "embedding": 2, "leader": "staggered",
-            "sparse_as_dense": True}
+            "sparse_as_dense": True, "frozen_layer": frozen_layer}
     results, _ = horovod_job("torch_scalecom.py", opts, np=2)
     for t in range(5):
         np.testing.assert_array_equal(results[0][f"raw/{t}/embed.weight"], results[0][f"raw/{t}/embed2.weight"])

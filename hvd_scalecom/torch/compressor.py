@@ -585,8 +585,13 @@ class ScaleCom(Compressor):
              "Set ScaleCom(timeout=...) to raise instead.")
 
     def _not_yet_reduced(self, index):
-        reduced = min(slot.step for slot in self._slots)
-        return self._slots[index].step == reduced
+        """Whether parameter ``index``, one of several whose sparse gradients have its shape (the
+        lookup's candidates), is not yet reduced in this step: its step counter is the lowest among
+        theirs. (Not among all parameters': one never reduced, frozen from the start, stays at 0.)"""
+        slot = self._slots[index]
+        steps = [s.step for s in self._slots if s.param.grad is not None and s.param.grad.is_sparse
+                 and s.param.shape == slot.param.shape]
+        return slot.step == min(steps, default=slot.step)
 
 
 # Elastic Horovod: hvd.elastic.TorchState(..., compression=scalecom) takes ScaleCom's own state handler

@@ -9,6 +9,7 @@ with ``rollback``, ``first_attempt/<t>/<name>`` (what a step applied before it r
 is ``stats()`` of the first step (at most 5 steps: those stats() keeps). ``skew_steps_at`` (given to one rank through ``per_rank``): at the top of that step, that rank's step
 counters move one ahead, through its own state_dict() and load_state_dict(); ``skew_next_indices_at``
 likewise moves only the step of its pipelined next_indices, and ``drop_next_indices_at`` removes them.
+``frozen_layer`` adds a layer frozen from the start (in ScaleCom's named_parameters, never reduced).
 ``per_rank`` applies to every option (``dtype`` too; ``no_loss_scaler``: the loss scale schedule
 without ScaleCom's ``loss_scaler``; ``skip_broadcast``: no broadcast_parameters, the seed alone).
 """
@@ -71,6 +72,9 @@ class Net(torch.nn.Module):
             self.embed = torch.nn.Embedding(50, 48)
             self.unembed = torch.nn.Linear(48, 50, bias=False)
             self.unembed.weight = self.embed.weight
+        if opts.get("frozen_layer"):  # frozen before the optimizer is built, never used: Horovod never reduces it
+            self.frozen = torch.nn.Linear(4, 4)
+            self.frozen.requires_grad_(False)
 
     def forward(self, x, tokens=None, detach_out_weight=False):
         if tokens is not None:
@@ -298,6 +302,8 @@ for t in schedule:
     record[f"compress_calls/{t}"] = np.array(compress_calls[0])
     compress_calls[0] = 0
     for (name, p), r in zip(named, raw):
+        if p.grad is None:  # (frozen_layer: never trained)
+            continue
         record[f"raw/{t}/{name}"] = r.float().numpy()
         record[f"applied/{t}/{name}"] = (p.grad.to_dense() if p.grad.is_sparse else p.grad).float().numpy()
     record["applied_dtype"] = np.array(str(params[0].grad.dtype))
