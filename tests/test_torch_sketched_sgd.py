@@ -147,6 +147,9 @@ for part, per_rank in DISAGREEING.items():
 DIRECT = {**BASE, "warmup_steps": 1, "steps": 4, "direct_allreduce": True, "single_at": 3}
 add_run("np2_second", "sketched_direct", "torch_seed_sketched.py", DIRECT,
         ["test_hvd_allreduce_called_directly_one_gradient_at_a_time_is_refused_and_changes_nothing"])
+SECOND_REDUCTION = {**BASE, "warmup_steps": 1, "steps": 4, "step_outside_skip_at": [0, 2]}
+add_run("np2_second", "sketched_second_reduction", "torch_seed_sketched.py", SECOND_REDUCTION,
+        ["test_a_second_reduction_after_synchronize_is_refused_and_changes_nothing"])
 add_run("np2_first", "sketched_disagreeing", "torch_seed_sketched.py",
         {**BASE, "steps": 2, "per_rank": {"1": {"rows": 5}}},
         ["test_ranks_configured_differently_all_raise"], fails=True)
@@ -481,6 +484,25 @@ def test_hvd_allreduce_called_directly_one_gradient_at_a_time_is_refused_and_cha
         assert "hvd.allreduce(p.grad, compression=SketchedSGD) of one gradient at a time cannot work" in refused
         assert bool(r["state_unchanged"])
         assert not any(key.startswith("applied/3/") for key in r)
+
+
+def test_a_second_reduction_after_synchronize_is_refused_and_changes_nothing(request, tmp_path_factory):
+    """optimizer.synchronize(), then optimizer.step() outside skip_synchronize() (step 0 in warm-up,
+    step 2 sketched): Horovod only warns and reduces every gradient again, which averages plain
+    gradients to themselves but made SketchedSGD count another step (the applied update taken in as a
+    new gradient: momentum applied twice, warm-up over in half the steps). Every rank raises naming the
+    cause and the remedy, before anything changes; the step then completed inside skip_synchronize()
+    and every step applies the reference's update."""
+    results = completed(shared_job("np2_second", request, tmp_path_factory), "sketched_second_reduction", 2)
+    follow(reference(SECOND_REDUCTION, 2), results, SECOND_REDUCTION["steps"])
+    check_identical_weights(results)
+    for r in results:
+        for t in (0, 2):
+            refused = str(r[f"refused/{t}"])
+            assert "last decompress gave back, unchanged: Horovod is reducing it a second time" in refused
+            assert "step inside `with optimizer.skip_synchronize():`" in refused
+            assert bool(r[f"state_unchanged/{t}"])
+        assert json.loads(str(r["stats"]))["step"] == SECOND_REDUCTION["steps"] - 1  # one step counted each
 
 
 # -- in one process: bad input, state, the probe --------------------------------------------------------

@@ -41,6 +41,10 @@ any rank waits for round 1 or round 2, every rank has posted or will post both w
 anything else first. Each round is one collective with a fixed name per step, so ranks cannot pair
 them differently, whatever order Horovod decompresses tensors in.
 
+A gradient that ``decompress`` gave back, reduced again unchanged (``optimizer.step()`` after
+``optimizer.synchronize()`` outside ``optimizer.skip_synchronize()``), is refused in ``compress``
+before anything changes: Alg. 1 takes in each step's gradient once.
+
 Momentum lives here, so the user's optimizer must be plain SGD (no momentum): the learning rate
 scales the applied update (the paper's ``v <- v + lr u`` with a constant learning rate).
 :meth:`SketchedSGD.check_optimizer` raises if it is not.
@@ -48,6 +52,7 @@ scales the applied update (the paper's ``v <- v + lr u`` with a constant learnin
 
 import time
 import warnings
+import weakref
 
 import torch
 import horovod.torch as hvd
@@ -88,6 +93,16 @@ class _Round:
         self.table = None
         self.handle = None
         self.update = None
+
+
+class _Dense:
+    """The context of a tensor reduced densely: its parameter, the gradient handed to ``compress``
+    (a weak reference) and the dtype ``decompress`` casts back to (None: the one it travelled in)."""
+
+    __slots__ = ("i", "original", "cast")
+
+    def __init__(self, i, original, cast):
+        self.i, self.original, self.cast = i, original, cast
 
 
 class SketchedSGD(Compressor):
@@ -147,6 +162,7 @@ class SketchedSGD(Compressor):
         self._steps = [0] * len(self._params)  # optimizer steps each parameter was reduced in
         self._round = None
         self._agreed = False
+        self._handed_back = {}  # parameter index -> (its gradient object, data_ptr, version) after decompress
         self.traffic = TrafficMeter()
         self.last_indices = None  # the coordinates of the sketched vector applied at the last step
         self.nonfinite_skips = 0  # steps whose reduced sketch was not finite (round 2 skipped)
@@ -158,6 +174,17 @@ class SketchedSGD(Compressor):
         i = self._lookup.index_of(tensor, not_yet=self._not_yet_compressed)  # fails before any collective
         if not self._agreed:
             self._check_agreement()
+        handed = self._handed_back.get(i)
+        if handed is not None and handed[0]() is tensor and (tensor.data_ptr(), tensor._version) == handed[1:]:
+            raise RuntimeError(
+                f"SketchedSGD: the gradient of {self._names[i]!r} is the one SketchedSGD's last decompress gave "
+                f"back, unchanged: Horovod is reducing it a second time, which SketchedSGD would count as "
+                f"another step (its momentum and error accumulation taking in the applied update as a new "
+                f"gradient). Either optimizer.step() came after optimizer.synchronize() outside "
+                f"optimizer.skip_synchronize() (step inside `with optimizer.skip_synchronize():`), or the "
+                f"parameter has no gradient this step and its old one was not cleared (call "
+                f"optimizer.zero_grad() every step). Nothing was changed")
+        original = weakref.ref(tensor)  # (Horovod sets p.grad, this object, to what decompress returns)
         if not tensor.dtype.is_floating_point:
             raise TypeError(f"SketchedSGD compresses floating-point gradients; the gradient of "
                             f"{self._names[i]!r} is {tensor.dtype}")
@@ -179,7 +206,7 @@ class SketchedSGD(Compressor):
             reset_nonfinite_(u)  # (once sent: a non-finite gradient reaches the optimizer, not u)
             self.traffic.record(t, dense_bytes=dense_bytes, uncompressed_bytes=dense_bytes,
                                 compress_seconds=time.perf_counter() - start)
-            return sent.view(tensor.shape), ctx  # (bf16: cast back in decompress)
+            return sent.view(tensor.shape), _Dense(i, original, ctx)  # (bf16: cast back in decompress)
 
         self._buffers(tensor)
         r.compressed.add(i)
@@ -205,15 +232,15 @@ class SketchedSGD(Compressor):
             value_bytes += r.table.numel() * self._v.element_size()  # (round 2's candidates: once sent)
         self.traffic.record(t, value_bytes=value_bytes, dense_bytes=warm_bytes, uncompressed_bytes=dense_bytes,
                             compress_seconds=time.perf_counter() - start)
-        return probe, (i, t, tensor.shape, tensor.dtype)
+        return probe, (i, t, tensor.shape, tensor.dtype, original)
 
     def decompress(self, tensor, ctx):
-        if ctx is None:
-            return tensor
-        if isinstance(ctx, torch.dtype):  # a dense bfloat16 gradient, reduced as float32
-            return tensor.to(ctx)
+        if isinstance(ctx, _Dense):  # (bf16: reduced as float32)
+            out = tensor if ctx.cast is None else tensor.to(ctx.cast)
+            self._hand_back(ctx.i, ctx.original, out)
+            return out
         start = time.perf_counter()
-        i, t, shape, dtype = ctx
+        i, t, shape, dtype, original = ctx
         r = self._round
         if r is None or r.t != t or i not in r.compressed:
             raise RuntimeError(f"SketchedSGD: decompress of {self._names[i]!r} (step {t}) without its "
@@ -224,6 +251,7 @@ class SketchedSGD(Compressor):
         scale = float(tensor.reshape(-1)[0])  # the reduced probe: 1 for Average, n for Sum
         # the gradient is this tensor's slice of the step's update (no copy; a new update every step)
         out = (part * scale if scale != 1.0 else part).to(dtype).view(shape)
+        self._hand_back(i, original, out)
         r.decompressed += 1
         if r.decompressed == len(r.compressed):
             self._round = None
@@ -381,6 +409,13 @@ class SketchedSGD(Compressor):
             self._dense_u[i] = torch.zeros(tensor.numel(), dtype=clt_k.memory_dtype(tensor.dtype),
                                            device=tensor.device)
         return self._dense_u[i]
+
+    def _hand_back(self, i, original, out):
+        """Remember the gradient of parameter ``i`` as Horovod's ``p.grad.set_(out)`` leaves it (its
+        version counter one ahead), so that ``compress`` refuses a second reduction of it: Alg. 1 takes
+        in each step's gradient once."""
+        grad = original()
+        self._handed_back[i] = None if grad is None else (original, out.data_ptr(), grad._version + 1)
 
     def _sketched_dtype(self):
         return vector_dtype([self._params[i].dtype for i in self._sketched])

@@ -16,6 +16,8 @@ backward pass is recorded (``refused``) and the run stops. ``direct_allreduce``:
 hvd.DistributedOptimizer, the gradients reduced by ``hvd.grouped_allreduce(..., compression=...)``, and
 from step ``single_at`` on by one ``hvd.allreduce(p.grad, compression=...)`` each: its error is recorded
 (``refused``), with whether SketchedSGD's state is as before the step (``state_unchanged``).
+``step_outside_skip_at`` (steps): there ``optimizer.synchronize()``, then ``optimizer.step()`` outside
+``skip_synchronize()``, its error in ``refused/<t>`` (with ``state_unchanged/<t>``), then the step inside it.
 """
 
 import json
@@ -168,6 +170,16 @@ for t in range(first_step, first_step + opts.get("steps", 6)):
         for p in params:
             p.grad.div_(scaler.scale)
         with optimizer.skip_synchronize():
+            optimizer.step()
+    elif t in opts.get("step_outside_skip_at", []):  # step() after synchronize(), outside skip_synchronize()
+        optimizer.synchronize()
+        before = compression.state_dict()
+        try:
+            optimizer.step()  # Horovod warns and reduces every gradient again
+        except RuntimeError as err:
+            record[f"refused/{t}"] = np.array(str(err))
+            record[f"state_unchanged/{t}"] = np.array(same(before, compression.state_dict()))
+        with optimizer.skip_synchronize():  # the step as it should be
             optimizer.step()
     elif opts.get("skew_steps_at"):
         try:
