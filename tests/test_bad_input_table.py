@@ -126,6 +126,8 @@ ROWS = [
     (torch_sketched, "seed", None, TypeError, "seed"),
     (torch_sketched, "process_set", "all", TypeError, "process_set"),
     (torch_sketched, "loss_scaler", 1024.0, TypeError, "loss_scaler"),
+    (torch_sketched, "name", None, TypeError, "name must be a str"),
+    (torch_sketched, "name", "", ValueError, "name must not be empty"),
     (torch_sketched, "named_parameters", [], ValueError, "named_parameters is empty"),
     (torch_sketched, "named_parameters", [("a", torch.zeros(3)), ("a", torch.zeros(2))], ValueError,
      "'a' twice"),

@@ -150,6 +150,9 @@ add_run("np2_second", "sketched_direct", "torch_seed_sketched.py", DIRECT,
 SECOND_REDUCTION = {**BASE, "warmup_steps": 1, "steps": 4, "step_outside_skip_at": [0, 2]}
 add_run("np2_second", "sketched_second_reduction", "torch_seed_sketched.py", SECOND_REDUCTION,
         ["test_a_second_reduction_after_synchronize_is_refused_and_changes_nothing"])
+TWO_INSTANCES = {"names": ["enc", "dec"], "steps": 4}
+add_run("np2_second", "sketched_two_instances", "torch_two_sketched.py", TWO_INSTANCES,
+        ["test_two_instances_stepped_after_one_backward_with_their_own_names"])
 add_run("np2_first", "sketched_disagreeing", "torch_seed_sketched.py",
         {**BASE, "steps": 2, "per_rank": {"1": {"rows": 5}}},
         ["test_ranks_configured_differently_all_raise"], fails=True)
@@ -503,6 +506,32 @@ def test_a_second_reduction_after_synchronize_is_refused_and_changes_nothing(req
             assert "step inside `with optimizer.skip_synchronize():`" in refused
             assert bool(r[f"state_unchanged/{t}"])
         assert json.loads(str(r["stats"]))["step"] == SECOND_REDUCTION["steps"] - 1  # one step counted each
+
+
+def test_two_instances_stepped_after_one_backward_with_their_own_names(request, tmp_path_factory):
+    """An encoder and a decoder, each with its SketchedSGD and hvd.DistributedOptimizer, stepped after
+    one backward: both rounds' allreduces had fixed names, so the second instance's sketch met the
+    first's still in flight and Horovod refused it ("a tensor with the same name as another tensor
+    that is currently being processed"), on every step but the first. With name= each posts its own;
+    at ratio 1 every coordinate is applied (momentum 0), so the weights follow plain
+    hvd.DistributedOptimizer's exactly."""
+    from hvd_scalecom.timeline import read_operations
+
+    job = shared_job("np2_second", request, tmp_path_factory)
+    results = completed(job, "sketched_two_instances", 2)
+    for r in results:
+        assert float(r["max_difference"]) == 0.0
+    for key in results[0]:
+        if key.startswith("final/"):
+            np.testing.assert_array_equal(results[0][key], results[1][key], err_msg=key)
+    moved = {}
+    for op in read_operations(job["timeline"]):
+        moved.setdefault(op["name"], []).append(op["shape"])
+    steps = TWO_INSTANCES["steps"]
+    assert moved["allreduce.enc.sketch"] == [[3, 10 * 3072]] * steps  # k = numel at ratio 1, c = 10 k
+    assert moved["allreduce.dec.sketch"] == [[3, 10 * 640]] * steps
+    assert moved["allreduce.enc.candidates"] == [[3072]] * steps
+    assert moved["allreduce.dec.candidates"] == [[640]] * steps
 
 
 # -- in one process: bad input, state, the probe --------------------------------------------------------

@@ -38,8 +38,9 @@ configuration check at the very first ``compress`` is the one exception, and eve
 first ``compress`` without waiting on anything). Horovod calls every ``compress`` of a step, from hooks
 or from ``synchronize()`` for parameters without a gradient, before the first ``decompress``; so when
 any rank waits for round 1 or round 2, every rank has posted or will post both without waiting on
-anything else first. Each round is one collective with a fixed name per step, so ranks cannot pair
-them differently, whatever order Horovod decompresses tensors in.
+anything else first. Each round is one collective with a fixed name per step (``<name>.sketch`` and
+``<name>.candidates``, ``name="sketched_sgd"`` by default), so ranks cannot pair them differently,
+whatever order Horovod decompresses tensors in.
 
 A gradient that ``decompress`` gave back, reduced again unchanged (``optimizer.step()`` after
 ``optimizer.synchronize()`` outside ``optimizer.skip_synchronize()``), is refused in ``compress``
@@ -73,8 +74,7 @@ from hvd_scalecom.torch.sketched_steps import (accumulate_, applied_update, heav
                                                warmup_wire_dtype, zero_applied_)
 from hvd_scalecom.traffic import TrafficMeter, allreduce_bytes_sent
 
-SKETCH_NAME = "sketched_sgd.sketch"
-CANDIDATES_NAME = "sketched_sgd.candidates"
+NAME = "sketched_sgd"  # the default prefix of the two rounds' collectives: <name>.sketch, <name>.candidates
 
 
 class _Round:
@@ -122,6 +122,9 @@ class SketchedSGD(Compressor):
         process_set: the Horovod process set the optimizer reduces over (default: all ranks).
         loss_scaler: a ``torch.amp.GradScaler`` (anything with ``get_scale()``) when gradients are
             loss-scaled: the momentum and error accumulation are rescaled whenever the scale changes.
+        name: the prefix of the two rounds' allreduces, ``<name>.sketch`` and ``<name>.candidates``
+            (the same on every rank). Horovod refuses two collectives of one name in flight at once:
+            give each SketchedSGD whose steps overlap (two optimizers stepped after one backward) its own.
 
     Example::
 
@@ -133,7 +136,12 @@ class SketchedSGD(Compressor):
     """
 
     def __init__(self, named_parameters, ratio=0.01, rows=5, columns=None, candidates=2, momentum=0.9,
-                 warmup_steps=0, min_numel=1024, *, seed=0, process_set=None, loss_scaler=None):
+                 warmup_steps=0, min_numel=1024, *, seed=0, process_set=None, loss_scaler=None, name=NAME):
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a str (the prefix of SketchedSGD's allreduces), got {type(name).__name__}")
+        if not name:
+            raise ValueError("name must not be empty (the prefix of SketchedSGD's allreduces)")
+        self.name = name
         self.config = SketchedSGDConfig(ratio=ratio, rows=rows, columns=columns, candidates=candidates,
                                         momentum=momentum, warmup_steps=warmup_steps,
                                         min_numel=min_numel, seed=seed)
@@ -221,14 +229,14 @@ class SketchedSGD(Compressor):
             r.pending = None
             r.table = self._u.to(self._warmup_dtype(), copy=True)  # (fresh: reduced in place)
             reset_nonfinite_(self._u)  # (once sent: a non-finite gradient reaches the optimizer, not u)
-            r.handle = hvd.allreduce_async_(r.table, name=SKETCH_NAME, op=hvd.Sum, **self._ps_kwargs())
+            r.handle = self._post_round_one(r.table)
         elif len(r.compressed) == len(self._sketched):  # the step's last sketched tensor: round 1
             for j, grad in r.pending:  # u, v on each slice
                 part = slice(self._offset[j], self._offset[j] + grad.numel())
                 accumulate_(self._u[part], self._v[part], grad, self.config.momentum)
             r.pending = None
             r.table = self._sketch.sketch(self._v)
-            r.handle = hvd.allreduce_async_(r.table, name=SKETCH_NAME, op=hvd.Sum, **self._ps_kwargs())
+            r.handle = self._post_round_one(r.table)
             value_bytes += r.table.numel() * self._v.element_size()  # (round 2's candidates: once sent)
         self.traffic.record(t, value_bytes=value_bytes, dense_bytes=warm_bytes, uncompressed_bytes=dense_bytes,
                             compress_seconds=time.perf_counter() - start)
@@ -376,13 +384,14 @@ class SketchedSGD(Compressor):
                    "parameter_digest": shapes_digest(shapes), "steps": sorted(set(self._steps)),
                    "sketched_digest": shapes_digest([shapes[i] for i in self._sketched]),
                    "parameter_dtypes": dtype_names(p.dtype for p in self._params),
-                   "loss_scaler": self._loss_scaler is not None}
+                   "loss_scaler": self._loss_scaler is not None, "name": self.name}
         check_agreement("SketchedSGD", summary, self._process_set,
                         {"parameter_digest": "(parameter_digest covers the names and shapes of "
                                              "named_parameters.)",
                          "parameter_dtypes": DTYPES_HINT,
                          "loss_scaler": "(a loss_scaler given on some ranks only: the others' momentum and "
                                         "error accumulation would not follow the loss scale.)",
+                         "name": "(name prefixes SketchedSGD's allreduces: give it the same value on every rank.)",
                          "sketched_digest": "(sketched_digest covers which parameters are sketched: "
                                             "freeze the same parameters on every rank before building "
                                             "SketchedSGD.)",
@@ -390,6 +399,20 @@ class SketchedSGD(Compressor):
                                   "warm-up and which tensors a step sketches: restore every rank from a "
                                   "state of the same step.)"}, stall=stall_times())
         self._agreed = True
+
+    def _post_round_one(self, table):
+        """Posts round 1 (in warm-up, u whole) as ``<name>.sketch``, a Sum; a collective of that name
+        still in flight (another SketchedSGD of the same ``name`` in the same step) is a ValueError
+        naming ``name``."""
+        try:
+            return hvd.allreduce_async_(table, name=f"{self.name}.sketch", op=hvd.Sum, **self._ps_kwargs())
+        except ValueError as err:
+            if "same name" not in str(err):
+                raise
+            raise ValueError(f"SketchedSGD(name={self.name!r}): Horovod has another '{self.name}.sketch' "
+                             f"allreduce in flight, from another SketchedSGD of the same name whose step "
+                             f"overlaps this one (two optimizers stepped after one backward): give each "
+                             f"SketchedSGD its own name=. Horovod: {err}") from err
 
     def _ps_kwargs(self):
         return {} if self._process_set is None else {"process_set": self._process_set}
@@ -451,7 +474,7 @@ class SketchedSGD(Compressor):
                         ("past warm-up: it sent its r x c sketch", "in warm-up: the whole momentum u"))
         return (f"SketchedSGD: the ranks' step counters differ on either side of the end of warm-up "
                 f"(warmup_steps={warmup}), so they reduced {self._names[i]!r} and the other sketched tensors "
-                f"in different ways: this rank is at step {r.t}, {mine}, as 'sketched_sgd.sketch', and another "
+                f"in different ways: this rank is at step {r.t}, {mine}, as '{self.name}.sketch', and another "
                 f"rank is {theirs}. A load_state_dict() of another step on some ranks does this: restore every "
                 f"rank from a state_dict() of the same step (this step's gradients are in this rank's momentum "
                 f"and error accumulation, and its step counters have moved on). Horovod: {err}")
@@ -500,7 +523,7 @@ class SketchedSGD(Compressor):
         candidates = heavy_candidates(self._sketch, r.table, self.num_candidates)
         kept = self._v[candidates]
         wait_from = time.perf_counter()
-        exact = hvd.allreduce(kept, name=CANDIDATES_NAME, op=hvd.Sum, **self._ps_kwargs())  # sum_i v_i[candidates]
+        exact = hvd.allreduce(kept, name=f"{self.name}.candidates", op=hvd.Sum, **self._ps_kwargs())  # sum_i v_i[candidates]
         waited += time.perf_counter() - wait_from
         self.traffic.add(r.t, value_bytes=exact.numel() * exact.element_size())
         indices, sums = select_applied(candidates, exact, self.k)
