@@ -70,6 +70,22 @@ def named_parameter_list(named_parameters, scheme):
     return pairs
 
 
+def refuse_second_reduction(handed_back, tensor, scheme, name, detail=""):
+    """RuntimeError where ``tensor`` is the gradient of parameter ``name`` that ``scheme``'s last
+    ``decompress`` gave back, unchanged: ``handed_back`` is ``(weak reference to the gradient object,
+    the returned tensor's data_ptr, its version counter after Horovod's p.grad.set_)`` or None. Horovod
+    is then reducing it a second time, which would count as another step (``detail``: what it would do)."""
+    if handed_back is None or handed_back[0]() is not tensor:
+        return
+    if (tensor.data_ptr(), tensor._version) == tuple(handed_back[1:]):
+        raise RuntimeError(
+            f"{scheme}: the gradient of {name!r} is the one {scheme}'s last decompress gave back, unchanged: "
+            f"Horovod is reducing it a second time, which {scheme} would count as another step{detail}. "
+            f"Either optimizer.step() came after optimizer.synchronize() outside optimizer.skip_synchronize() "
+            f"(step inside `with optimizer.skip_synchronize():`), or the parameter has no gradient this step "
+            f"and its old one was not cleared (call optimizer.zero_grad() every step). Nothing was changed")
+
+
 def check_process_set(process_set):
     """``process_set`` unchanged if it is None or a ``horovod.torch.ProcessSet``, else TypeError."""
     from horovod.torch import ProcessSet

@@ -53,8 +53,8 @@ from hvd_scalecom.state import check_loss_scale, check_next_indices, checked_par
 from hvd_scalecom.torch import clt_k
 from hvd_scalecom.torch.common import (GradientLookup, as_memory_of, check_agreement, check_loss_scaler,
                                       check_process_set, check_state_entry, dense_on_the_wire,
-                                      follow_loss_scale, named_parameter_list, restored_loss_scale, stall_times,
-                                      wait, wire_dtype)
+                                      follow_loss_scale, named_parameter_list, refuse_second_reduction,
+                                      restored_loss_scale, stall_times, wait, wire_dtype)
 from hvd_scalecom.traffic import TrafficMeter
 
 INDEX_EXCHANGES = ("allgather", "broadcast")
@@ -168,14 +168,7 @@ class ScaleCom(Compressor):
         if not tensor.dtype.is_floating_point:
             raise TypeError(f"ScaleCom compresses floating-point gradients; the gradient of "
                             f"{slot.name!r} is {tensor.dtype}")
-        handed = slot.handed_back
-        if handed is not None and handed[0]() is tensor and (tensor.data_ptr(), tensor._version) == handed[1:]:
-            raise RuntimeError(
-                f"the gradient of {slot.name!r} is the one ScaleCom's last decompress gave back, unchanged: "
-                f"Horovod is reducing it a second time, which ScaleCom would count as another step. Either "
-                f"optimizer.step() came after optimizer.synchronize() outside optimizer.skip_synchronize() "
-                f"(step inside `with optimizer.skip_synchronize():`), or the parameter has no gradient this "
-                f"step and its old one was not cleared (call optimizer.zero_grad() every step)")
+        refuse_second_reduction(slot.handed_back, tensor, "ScaleCom", slot.name)
         original = weakref.ref(tensor)  # (Horovod sets p.grad, this object, to what decompress returns)
         numel = tensor.numel()
         if slot.memory is not None and slot.memory.numel() != numel:

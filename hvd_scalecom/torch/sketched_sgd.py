@@ -66,8 +66,8 @@ from hvd_scalecom.state import check_loss_scale, checked_params
 from hvd_scalecom.torch import clt_k
 from hvd_scalecom.torch.common import (GradientLookup, as_memory_of, check_agreement, check_loss_scaler,
                                       check_process_set, check_state_entry, dense_on_the_wire,
-                                      follow_loss_scale, named_parameter_list, restored_loss_scale, stall_times,
-                                      wire_dtype)
+                                      follow_loss_scale, named_parameter_list, refuse_second_reduction,
+                                      restored_loss_scale, stall_times, wire_dtype)
 from hvd_scalecom.torch.sketch import CountSketch
 from hvd_scalecom.torch.sketched_steps import (accumulate_, applied_update, heavy_candidates, momentum_,
                                                reset_nonfinite_, select_applied, skip_nonfinite_, vector_dtype,
@@ -182,16 +182,8 @@ class SketchedSGD(Compressor):
         i = self._lookup.index_of(tensor, not_yet=self._not_yet_compressed)  # fails before any collective
         if not self._agreed:
             self._check_agreement()
-        handed = self._handed_back.get(i)
-        if handed is not None and handed[0]() is tensor and (tensor.data_ptr(), tensor._version) == handed[1:]:
-            raise RuntimeError(
-                f"SketchedSGD: the gradient of {self._names[i]!r} is the one SketchedSGD's last decompress gave "
-                f"back, unchanged: Horovod is reducing it a second time, which SketchedSGD would count as "
-                f"another step (its momentum and error accumulation taking in the applied update as a new "
-                f"gradient). Either optimizer.step() came after optimizer.synchronize() outside "
-                f"optimizer.skip_synchronize() (step inside `with optimizer.skip_synchronize():`), or the "
-                f"parameter has no gradient this step and its old one was not cleared (call "
-                f"optimizer.zero_grad() every step). Nothing was changed")
+        refuse_second_reduction(self._handed_back.get(i), tensor, "SketchedSGD", self._names[i],
+                                " (its momentum and error accumulation taking in the applied update as a new gradient)")
         original = weakref.ref(tensor)  # (Horovod sets p.grad, this object, to what decompress returns)
         if not tensor.dtype.is_floating_point:
             raise TypeError(f"SketchedSGD compresses floating-point gradients; the gradient of "
