@@ -595,7 +595,9 @@ def test_refused_steps_through_the_tape_change_nothing_and_grouped_fp16_values_a
     with op=hvd.Sum around a ScaleCom that averages is refused at its warm-up step, eager or traced.
     A step compiled by XLA (jit_compile=True) is refused naming jit_compile, and a Keras model whose
     trainable variables changed (a layer frozen) after a make_train_step step or a model.fit step
-    with DistributedOptimizer is refused at the next step, before anything changes."""
+    with DistributedOptimizer is refused at the next step, before anything changes. A Keras model with a
+    layer the loss does not use (None gradients) is refused at its first step by both helpers, before
+    anything changes."""
     results, _ = horovod_job("tf_refusals.py", {}, np=2)
     assert len(results) == 2
     for rank, r in enumerate(results):
@@ -639,6 +641,13 @@ def test_refused_steps_through_the_tape_change_nothing_and_grouped_fp16_values_a
             assert error.startswith("ValueError") and changed in error, f"rank {rank}, {how}: {error}"
             assert not r[f"frozen/{how}/moved"].any(), f"rank {rank}, {how}"
             assert list(r[f"frozen/{how}/steps"]) == [1, 1, 1, 1], f"rank {rank}, {how}"
+        for how in ("step", "fit"):  # (before: the step went through, the last layer's gradients
+            # compressed with the unused layer's memories; the next step was refused)
+            error = str(r[f"unused/{how}/error"])
+            assert error.startswith("ValueError") and "ScaleCom needs a gradient for every variable" in error \
+                and re.search("#2 '[^']*kernel', #3 '[^']*bias' got none", error), f"rank {rank}, {how}: {error}"
+            assert not r[f"unused/{how}/moved"].any(), f"rank {rank}, {how}"
+            assert list(r[f"unused/{how}/steps"]) == [0] * 6, f"rank {rank}, {how}"
 
 
 def test_staggered_leader_fp16_values_threshold_selection_process_set(horovod_job):

@@ -61,7 +61,8 @@ def make_train_step(model, optimizer, loss, compression=None, *, root_rank=0, ji
         loss: a loss callable ``loss(y_true, y_pred)`` or a Keras loss name.
         compression: a :class:`ScaleCom` built for ``model.trainable_variables`` (or any Horovod
             compression; ``None``: dense). With ScaleCom, an optimizer with
-            ``gradient_accumulation_steps`` is refused (ValueError).
+            ``gradient_accumulation_steps`` is refused (ValueError), and so is a step where a
+            variable gets a ``None`` gradient (before anything is reduced).
         jit: wrap the step in ``tf.function`` (default); ``False`` runs eagerly (Horovod then traces
             its own reduction function once).
 
@@ -109,6 +110,8 @@ def make_train_step(model, optimizer, loss, compression=None, *, root_rank=0, ji
                 loss_value = loss_value + tf.add_n(model.losses)
             scaled_loss = scale_loss(loss_value)
         tape = hvd.DistributedGradientTape(tape, compression=compression, **tape_options)
+        if isinstance(compression, ScaleCom):  # (checked before Horovod reduces anything)
+            tape._allreduce_grads = _refusing_none(tape._allreduce_grads, trainable)
         grads = tape.gradient(scaled_loss, sources)
         optimizer.apply_gradients(zip(grads, trainable))
         return loss_value
@@ -145,7 +148,8 @@ def DistributedOptimizer(optimizer, compression=None, *, sparse_as_dense=None,
     again) is refused with a ValueError before any gradient is reduced. ``steps_per_execution > 1``
     works (each step of an execution is reduced as alone); XLA (``jit_compile``) does not: Horovod's
     ops have no XLA kernels. With ScaleCom, an optimizer with ``gradient_accumulation_steps`` is
-    refused (ValueError): every micro-batch would be compressed and exchanged. Under a
+    refused (ValueError): every micro-batch would be compressed and exchanged; so is a step where a
+    variable gets a ``None`` gradient (a layer the loss does not use), before anything is reduced. Under a
     ``mixed_float16`` policy, wrap a ``LossScaleOptimizer``, as ``compile`` would put its own around
     this optimizer and skip the reduction (refused): ScaleCom then compresses the scaled gradients.
 
@@ -187,6 +191,7 @@ def DistributedOptimizer(optimizer, compression=None, *, sparse_as_dense=None,
                     f"ScaleCom matches gradients to its variables by position. Were layers frozen or "
                     f"unfrozen since it was built? Build a ScaleCom for model.trainable_variables and "
                     f"compile with a new DistributedOptimizer") from None
+            _check_every_gradient(grads, variables)
         reduced = reduce(list(grads), None, False)
         self._hvd_reduced = True  # (while tracing: apply() below is reached from here only)
         try:
@@ -253,6 +258,29 @@ def _check_reduction(scalecom, sparse_as_dense, op, process_set):
     if _set_id(process_set) != _set_id(scalecom._process_set):
         raise ValueError("process_set differs from ScaleCom's process_set: its indices would go to other "
                          "ranks than the values")
+
+
+def _check_every_gradient(grads, variables):
+    """ValueError naming the variables whose gradient is ``None`` (a layer the loss does not use), raised
+    before anything is reduced: Horovod passes a ``None`` gradient by, past ScaleCom's ``compress``, and
+    ScaleCom matches gradients to its variables by position, so the gradients after it would be compressed
+    with other variables' residue memories (seen only at the next step where their shapes agree)."""
+    missing = [f"#{i} {getattr(v, 'path', None) or v.name!r}" for i, (g, v) in enumerate(zip(grads, variables))
+               if g is None]
+    if missing:
+        raise ValueError(
+            f"ScaleCom needs a gradient for every variable it was built with, but {', '.join(missing)} "
+            f"got none (a layer the loss does not use? set its trainable = False, then build ScaleCom, "
+            f"and the step or DistributedOptimizer, for model.trainable_variables)")
+
+
+def _refusing_none(reduce, variables):
+    """``reduce`` (a ``DistributedGradientTape``'s reduction of the gradients of ``variables``) after
+    :func:`_check_every_gradient`."""
+    def checked(grads, vars=None, use_generic_names=False):
+        _check_every_gradient(grads, variables)
+        return reduce(grads, vars, use_generic_names)
+    return checked
 
 
 def _check_no_accumulation(optimizer):

@@ -20,6 +20,9 @@ argv: JSON options (unused), output directory. Writes ``rank<R>.npz`` with:
 * ``frozen/<step|fit>/...``: a Keras model's first layer frozen after a ``make_train_step`` step, its
   last layer frozen after a ``model.fit`` step and compiled again with a new ``DistributedOptimizer``
   around the same ScaleCom: the next step's ``error``, ``moved`` and ``steps``.
+* ``unused/<step|fit>/...``: a Keras model with a layer the loss does not use (None gradients), trained
+  by ``make_train_step`` or ``model.fit`` with ``DistributedOptimizer``: the first step's ``error``,
+  ``moved`` and ``steps``.
 """
 
 import json
@@ -181,6 +184,40 @@ for how in ("step", "fit"):
         record[f"frozen/{how}/error"] = np.array(f"{type(error).__name__}: {error}")
     record[f"frozen/{how}/moved"] = np.array([bool(np.any(w.numpy() != b)) for w, b in zip(model.weights, before)])
     record[f"frozen/{how}/steps"] = np.array([int(s.numpy()) for s in frozen_compression.steps])
+
+
+
+class Unused(keras.Model):
+    """Three Dense layers of one shape; the middle one takes no part in the loss (None gradients)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.unused, self.last = (keras.layers.Dense(40) for _ in range(3))
+
+    def call(self, inputs):
+        return self.last(self.first(inputs))
+
+
+for how in ("step", "fit"):
+    keras.utils.set_random_seed(0)
+    model = Unused()
+    model(x[:, :40])
+    model.unused.build((None, 40))
+    unused_compression = ScaleCom(model.trainable_variables, ratio=0.05, beta=0.5, min_numel=30)
+    before = [w.numpy() for w in model.weights]
+    try:  # (before: the step went through, the last layer's gradients compressed with the unused
+        # layer's memories, and the next step was refused blaming a sparse or None gradient)
+        if how == "step":
+            make_train_step(model, keras.optimizers.SGD(0.1), "mse", unused_compression)(x[:, :40], x[:, 8:])
+        else:
+            model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1), unused_compression),
+                          loss="mse", jit_compile=False)
+            model.fit(x[:, :40], x[:, 8:], batch_size=16, verbose=0, shuffle=False)
+        record[f"unused/{how}/error"] = np.array("")
+    except Exception as error:
+        record[f"unused/{how}/error"] = np.array(f"{type(error).__name__}: {error}")
+    record[f"unused/{how}/moved"] = np.array([bool(np.any(w.numpy() != b)) for w, b in zip(model.weights, before)])
+    record[f"unused/{how}/steps"] = np.array([int(s.numpy()) for s in unused_compression.steps])
 
 np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **record)
 hvd.allreduce(tf.constant(0.0), name="worker_done")
