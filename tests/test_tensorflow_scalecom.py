@@ -650,14 +650,22 @@ def test_refused_steps_through_the_tape_change_nothing_and_grouped_fp16_values_a
             assert list(r[f"unused/{how}/steps"]) == [0] * 6, f"rank {rank}, {how}"
 
 
-def test_staggered_leader_fp16_values_threshold_selection_process_set(horovod_job):
+def test_staggered_leader_fp16_values_threshold_selection_process_set(horovod_job, tmp_path):
     """3 ranks, training on the process set {0, 2} (broadcast roots are global ranks), a hidden
-    layer of 67,200 entries (so "threshold" runs its sampled path)."""
+    layer of 67,200 entries (so "threshold" runs its sampled path). Rank 1, outside the set, runs the
+    same steps: Horovod's tape hands it its own gradients, as it does without ScaleCom."""
     opts = {"ratio": 0.01, "beta": 0.3, "min_numel": 600, "steps": 5, "leader": "staggered",
             "value_dtype": "float16", "index_dtype": "int32", "selection": "threshold",
             "hidden": 1400, "mode": "function", "process_set": [0, 2]}
-    results, _ = horovod_job("tf_scalecom.py", opts, np=3)
+    results, _ = horovod_job("tf_scalecom.py", opts, np=3, out_dir=tmp_path)
     assert len(results) == 2  # ranks 0 and 2
+    # (before: rank 1 failed in ScaleCom's agreement allgather, "Rank 1 is not a member of the provided process set")
+    outsider = dict(np.load(tmp_path / "outsider1.npz", allow_pickle=False))
+    assert list(outsider["steps"]) == [0] * 4
+    for t in range(5):
+        for n in NAMES:
+            np.testing.assert_allclose(outsider[f"applied/{t}/{n}"], outsider[f"raw/{t}/{n}"], rtol=1e-5,
+                                       atol=1e-6, err_msg=f"step {t}, {n}")  # (traced and eager sums)
     check_against_reference(results, opts, steps=5, rtol=2e-3, atol=2e-4, value_dtype=np.float16)
     check_identical_weights(results)
     stats = json.loads(str(results[0]["stats"]))

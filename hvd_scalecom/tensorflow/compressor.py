@@ -114,7 +114,8 @@ class ScaleCom(tf.Module, Compressor):
             may not mix compressed variables with ones below ``min_numel`` (a ValueError at the first
             step).
         index_dtype: ``tf.int32`` (default; int64 for tensors of 2**31 entries or more) or ``tf.int64``.
-        process_set: the Horovod process set the tape reduces over (default: all ranks).
+        process_set: the Horovod process set the tape reduces over (default: all ranks). On ranks
+            outside it, Horovod's tape returns their own gradients and ScaleCom's state stays as it was.
         index_exchange: ``"broadcast"`` (default), ``"allreduce"`` or ``"allgather"``: how the
             leader's indices travel (see the module's doc).
         pipelined: use indices the leader selected one step earlier, so that their exchange overlaps
@@ -290,7 +291,9 @@ class ScaleCom(tf.Module, Compressor):
     # -- the graph of one compressed step ---------------------------------------------------------
 
     def _compress(self, slot, tensor):
-        size, rank = self._process_set.size(), self._process_set.rank()
+        # (on a rank outside the process set Horovod traces this in a tf.cond branch that never runs)
+        size = self._process_set.size()
+        rank = self._process_set.rank() if self._process_set.included() else -1
         start, tensor = _stamp(tensor)
         t = slot.step.read_value()
         slot.step.assign_add(1)
@@ -569,6 +572,8 @@ class ScaleCom(tf.Module, Compressor):
         """
         if not hvd.is_initialized():
             return  # compress() called outside a Horovod job (nothing to agree with)
+        if not self._process_set.included():
+            return  # (a rank outside the process set: Horovod's tape returns its own gradients there)
         self._agreed = True
         summary = {**self.config.as_dict(), "index_exchange": self.index_exchange, "op": int(self.op),
                    "variables": len(self._slots), "collective_prefix": self._prefix,

@@ -31,7 +31,7 @@ out_dir = sys.argv[2]
 process_set = hvd.ProcessSet(opts["process_set"]) if opts.get("process_set") else None
 hvd.init(process_sets=[process_set] if process_set else None)
 rank = hvd.rank()
-member = process_set is None or rank in process_set.ranks  # ranks outside the set only wait
+member = process_set is None or rank in process_set.ranks  # ranks outside the set: see below
 set_kwargs = {"process_set": process_set} if process_set else {}
 OP = hvd.Sum if opts.get("op") == "sum" else hvd.Average  # given to the tape and to ScaleCom
 NAMES = ["hidden.weight", "hidden.bias", "out.weight", "out.bias"]
@@ -203,8 +203,9 @@ def train(first_step, steps, record, compression_used, label=""):
 
 record = {}
 first_step = opts.get("first_step", 0)
-if not member:
-    pass
+if not member:  # the same steps, which Horovod's tape reduces only on members: its own gradients here
+    train(first_step, opts.get("steps", 6), record, compression)
+    np.savez(os.path.join(out_dir, f"outsider{rank}.npz"), **record)
 elif opts.get("resume_from"):
     assert mode != "keras", "resuming is exercised on the tf.Variable model"
     path = os.path.join(opts["resume_from"], f"ckpt{rank}")
