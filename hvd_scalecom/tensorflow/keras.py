@@ -275,11 +275,11 @@ def _check_every_gradient(grads, variables):
 
 
 def _refusing_none(reduce, variables):
-    """``reduce`` (a ``DistributedGradientTape``'s reduction of the gradients of ``variables``) after
-    :func:`_check_every_gradient`."""
-    def checked(grads, vars=None, use_generic_names=False):
+    """``reduce`` (a ``DistributedGradientTape``'s reduction of the gradients of ``variables``, the
+    Keras variables, named as Keras names them, of the tape's sources) after :func:`_check_every_gradient`."""
+    def checked(grads, sources, use_generic_names=False):
         _check_every_gradient(grads, variables)
-        return reduce(grads, vars, use_generic_names)
+        return reduce(grads, sources, use_generic_names)
     return checked
 
 
