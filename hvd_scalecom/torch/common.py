@@ -70,10 +70,17 @@ def named_parameter_list(named_parameters, scheme):
     return pairs
 
 
+def handed_back(original, out):
+    """What :func:`refuse_second_reduction` compares: the gradient handed to ``compress`` (``original``,
+    a weak reference) as Horovod's ``p.grad.set_(out)`` leaves it, ``out``'s address and its version
+    counter one ahead; None where that gradient is gone."""
+    grad = original()
+    return None if grad is None else (original, out.data_ptr(), grad._version + 1)
+
+
 def refuse_second_reduction(handed_back, tensor, scheme, name, detail=""):
     """RuntimeError where ``tensor`` is the gradient of parameter ``name`` that ``scheme``'s last
-    ``decompress`` gave back, unchanged: ``handed_back`` is ``(weak reference to the gradient object,
-    the returned tensor's data_ptr, its version counter after Horovod's p.grad.set_)`` or None. Horovod
+    ``decompress`` gave back, unchanged (``handed_back``: what :func:`handed_back` recorded, or None). Horovod
     is then reducing it a second time, which would count as another step (``detail``: what it would do)."""
     if handed_back is None or handed_back[0]() is not tensor:
         return

@@ -53,8 +53,8 @@ from hvd_scalecom.state import check_loss_scale, check_next_indices, checked_par
 from hvd_scalecom.torch import clt_k
 from hvd_scalecom.torch.common import (GradientLookup, as_memory_of, check_agreement, check_loss_scaler,
                                       check_process_set, check_state_entry, dense_on_the_wire,
-                                      follow_loss_scale, named_parameter_list, refuse_second_reduction,
-                                      restored_loss_scale, stall_times, wait, wire_dtype)
+                                      follow_loss_scale, handed_back, named_parameter_list,
+                                      refuse_second_reduction, restored_loss_scale, stall_times, wait, wire_dtype)
 from hvd_scalecom.traffic import TrafficMeter
 
 INDEX_EXCHANGES = ("allgather", "broadcast")
@@ -293,9 +293,7 @@ class ScaleCom(Compressor):
             out = clt_k.scatter_dense(tensor, indices, grad.numel(), grad.dtype).view(grad.shape)
         if not updated:
             self.nonfinite_skips += 1
-        # Horovod's p.grad.set_(out) moves the gradient's version counter by one: a second reduction of
-        # this step finds that object, with out's storage and that version (see compress).
-        slot.handed_back = (original, out.data_ptr(), grad._version + 1)
+        slot.handed_back = handed_back(original, out)  # (a second reduction of this step: see compress)
         self.traffic.add_time(t, time.perf_counter() - start)
         return out
 

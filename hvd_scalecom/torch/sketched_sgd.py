@@ -66,8 +66,8 @@ from hvd_scalecom.state import check_loss_scale, checked_params
 from hvd_scalecom.torch import clt_k
 from hvd_scalecom.torch.common import (GradientLookup, as_memory_of, check_agreement, check_loss_scaler,
                                       check_process_set, check_state_entry, dense_on_the_wire,
-                                      follow_loss_scale, named_parameter_list, refuse_second_reduction,
-                                      restored_loss_scale, stall_times, wire_dtype)
+                                      follow_loss_scale, handed_back, named_parameter_list,
+                                      refuse_second_reduction, restored_loss_scale, stall_times, wire_dtype)
 from hvd_scalecom.torch.sketch import CountSketch
 from hvd_scalecom.torch.sketched_steps import (accumulate_, applied_update, heavy_candidates, momentum_,
                                                reset_nonfinite_, select_applied, skip_nonfinite_, vector_dtype,
@@ -237,7 +237,7 @@ class SketchedSGD(Compressor):
     def decompress(self, tensor, ctx):
         if isinstance(ctx, _Dense):  # (bf16: reduced as float32)
             out = tensor if ctx.cast is None else tensor.to(ctx.cast)
-            self._hand_back(ctx.i, ctx.original, out)
+            self._handed_back[ctx.i] = handed_back(ctx.original, out)
             return out
         start = time.perf_counter()
         i, t, shape, dtype, original = ctx
@@ -251,7 +251,7 @@ class SketchedSGD(Compressor):
         scale = float(tensor.reshape(-1)[0])  # the reduced probe: 1 for Average, n for Sum
         # the gradient is this tensor's slice of the step's update (no copy; a new update every step)
         out = (part * scale if scale != 1.0 else part).to(dtype).view(shape)
-        self._hand_back(i, original, out)
+        self._handed_back[i] = handed_back(original, out)
         r.decompressed += 1
         if r.decompressed == len(r.compressed):
             self._round = None
@@ -424,13 +424,6 @@ class SketchedSGD(Compressor):
             self._dense_u[i] = torch.zeros(tensor.numel(), dtype=clt_k.memory_dtype(tensor.dtype),
                                            device=tensor.device)
         return self._dense_u[i]
-
-    def _hand_back(self, i, original, out):
-        """Remember the gradient of parameter ``i`` as Horovod's ``p.grad.set_(out)`` leaves it (its
-        version counter one ahead), so that ``compress`` refuses a second reduction of it: Alg. 1 takes
-        in each step's gradient once."""
-        grad = original()
-        self._handed_back[i] = None if grad is None else (original, out.data_ptr(), grad._version + 1)
 
     def _sketched_dtype(self):
         return vector_dtype([self._params[i].dtype for i in self._sketched])
