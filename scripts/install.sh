@@ -34,7 +34,7 @@ log() { printf '[install] %s\n' "$*" >&2; }
 die() { printf '[install] ERROR: %s\n' "$*" >&2; exit 1; }
 
 # the top-level modules the steps below install (a package uninstalled since is installed again)
-MODULES="torch tensorflow numpy mpi4py sklearn pytest matplotlib tensorboard tqdm horovod hvd_scalecom"
+MODULES="torch tensorflow numpy mpi4py sklearn pytest matplotlib tensorboard tqdm ruff horovod hvd_scalecom"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$stamp_key" ] && [ -x "$VENV/bin/horovodrun" ] \
    && "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))" \
         $MODULES 2>/dev/null; then
@@ -100,7 +100,7 @@ fi
 log "installing Python packages (torch $TORCH_VERSION, $tf_pkg $TENSORFLOW_VERSION, ...)"
 pip_install "torch==$TORCH_VERSION" "$tf_pkg==$TENSORFLOW_VERSION" "$NUMPY_SPEC" \
   "mpi4py==$MPI4PY_VERSION" "scikit-learn==$SCIKIT_LEARN_VERSION" "$PYTEST_SPEC" "$MATPLOTLIB_SPEC" \
-  "$TENSORBOARD_SPEC" "$TQDM_SPEC" \
+  "$TENSORBOARD_SPEC" "$TQDM_SPEC" "ruff==$RUFF_VERSION" \
   cloudpickle psutil pyyaml packaging cffi wheel setuptools
 
 # 3. Horovod, from the cached wheel when one matches, else built once from the sdist.
