@@ -5,7 +5,8 @@
     .venv/bin/python -m benchmarks.run_all --only soak kernels
 
 The commands are the full runs named in each module's docstring. ``slow_link`` needs root and
-``ip netns``; without them it says it skipped and exits 0; ``gpu_kernels`` needs a CUDA device,
+``ip netns``; without them it says it skipped and exits 0 (``scale`` runs without them, but does
+not measure wire bytes); ``gpu_kernels`` needs a CUDA device,
 and without one says so and exits 0. The runner stops at the first benchmark
 that fails unless ``--keep-going``; its exit status is 1 if any failed.
 """
@@ -26,6 +27,7 @@ BENCHMARKS = {
     "per_tensor": ("per_tensor", []),
     "gpu_kernels": ("gpu_kernels", ["--rounds", "200"]),
     "slow_link": ("slow_link", []),
+    "scale": ("scale", ["--dense"]),
     "scalecom_options": ("scalecom_options", []),
     "convergence": ("convergence", []),
     "frontends": ("frontends", ["--dense"]),
