@@ -88,44 +88,15 @@ def _totals(compression):
     return stats()["total"] if callable(stats) else None
 
 
-def main(spec):
-    import horovod.torch as hvd
-
-    torch.set_num_threads(1)
-    hvd.init()
+def measure(spec, hvd, train_step, local_step, barrier, compression, wrapper, parameters):
+    """Warm-up, timed steps (counters and statistics around them), then the floor; rank 0 prints
+    ``RESULT {json}``. ``train_step()`` and ``local_step()`` run one step of the job and of the copy
+    without communication; ``barrier(tag)`` is a tiny allreduce; ``hvd`` the frontend's module
+    (``rank``, ``size``, ``allgather_object``). Shared by the torch and TensorFlow workers."""
     rank, size = hvd.rank(), hvd.size()
-    torch.manual_seed(0)
-    model_name, model_size, widths = spec.get("model", "mlp"), spec.get("size", "full"), spec.get("widths")
-    model = build_model(model_name, model_size, widths)
-    gen = torch.Generator().manual_seed(1000 + rank)
-    x, y = make_batch(model_name, model_size, spec["batch"], gen, widths)
-    local_model = copy.deepcopy(model)  # no Horovod hooks on its parameters
-    local_optimizer = torch.optim.SGD(local_model.parameters(), lr=0.01, momentum=0.9)
-    name, kwargs = spec["compressor"], spec.get("kwargs", {})
-    momentum = 0.0 if name in OWN_MOMENTUM else 0.9
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=momentum)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    wrapper = name in OPTIMIZER_WRAPPERS
-    if wrapper:
-        optimizer = compression = OPTIMIZER_WRAPPERS[name](model, optimizer, kwargs)
-    else:
-        compression = COMPRESSORS[name](hvd, model, kwargs)
-        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                             compression=compression)
     nic, per_worker = spec.get("nic", "lo"), spec.get("link", "shared-loopback") == "per-worker"
-
-    def barrier(tag):
-        hvd.allreduce(torch.zeros(1), name=f"slow_link.barrier.{tag}")
-
-    def step(net, opt):
-        opt.zero_grad()
-        loss = task_loss(net(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
     for _ in range(spec["warmup"]):
-        step(model, optimizer)
+        train_step()
     barrier("start")
     counters_start = read_counters(nic)
     totals_start = _totals(compression) if wrapper else None
@@ -133,7 +104,7 @@ def main(spec):
     for _ in range(spec["steps"]):
         before = read_counters(nic)
         start = time.perf_counter()
-        step(model, optimizer)
+        train_step()
         times.append(time.perf_counter() - start)
         after = read_counters(nic)
         wire_steps.append([a - b for a, b in zip(after, before)])
@@ -151,20 +122,20 @@ def main(spec):
     wire = {"tx_bytes": counters_end[0] - counters_start[0], "rx_bytes": counters_end[1] - counters_start[1],
             "tx_steps": [s[0] for s in wire_steps], "rx_steps": [s[1] for s in wire_steps]}
     wire = hvd.allgather_object(wire, name="slow_link.wire")
-    step(local_model, local_optimizer)  # warm-up
+    local_step()  # warm-up
     barrier("floor")
     floor = []
     for _ in range(spec["steps"]):
         start = time.perf_counter()
-        step(local_model, local_optimizer)
+        local_step()
         floor.append(time.perf_counter() - start)
     floor = hvd.allgather_object(statistics.median(floor), name="slow_link.floor")
     if rank != 0:
         return
-    params = sum(p.numel() for p in model.parameters())
     result = {
         "compressor": spec["compressor"], "kwargs": spec.get("kwargs", {}), "workers": size,
-        "rank": rank, "model": model_name, "parameters": params, "dense_bytes": 4 * params,
+        "rank": rank, "model": spec.get("model", "mlp"), "framework": spec.get("framework", "torch"),
+        "parameters": parameters, "dense_bytes": 4 * parameters,
         "step_seconds": times,
         # the median step, or for an optimizer wrapper the mean (its synchronisations are rare steps)
         "median_step_seconds": statistics.fmean(times) if wrapper else statistics.median(times),
@@ -181,6 +152,40 @@ def main(spec):
         result["compressor_stats"] = {k: statistics.median(s[k] for s in per_step)
                                       for k in per_step[0] if per_step[0][k] is not None}
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def main(spec):
+    import horovod.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    torch.manual_seed(0)
+    model_name, model_size, widths = spec.get("model", "mlp"), spec.get("size", "full"), spec.get("widths")
+    model = build_model(model_name, model_size, widths)
+    x, y = make_batch(model_name, model_size, spec["batch"], torch.Generator().manual_seed(1000 + hvd.rank()),
+                      widths)
+    local_model = copy.deepcopy(model)  # no Horovod hooks on its parameters
+    local_optimizer = torch.optim.SGD(local_model.parameters(), lr=0.01, momentum=0.9)
+    name, kwargs = spec["compressor"], spec.get("kwargs", {})
+    momentum = 0.0 if name in OWN_MOMENTUM else 0.9
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=momentum)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    wrapper = name in OPTIMIZER_WRAPPERS
+    if wrapper:
+        optimizer = compression = OPTIMIZER_WRAPPERS[name](model, optimizer, kwargs)
+    else:
+        compression = COMPRESSORS[name](hvd, model, kwargs)
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                             compression=compression)
+
+    def step(net, opt):
+        opt.zero_grad()
+        task_loss(net(x), y).backward()
+        opt.step()
+
+    measure(spec, hvd, lambda: step(model, optimizer), lambda: step(local_model, local_optimizer),
+            lambda tag: hvd.allreduce(torch.zeros(1), name=f"slow_link.barrier.{tag}"), compression, wrapper,
+            sum(p.numel() for p in model.parameters()))
 
 
 if __name__ == "__main__":

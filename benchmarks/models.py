@@ -169,9 +169,8 @@ def build_keras_model(name, size="full", widths=None):
     layers = keras.layers
     if name == "mlp":
         w = mlp_widths(size, widths)
-        model = keras.Sequential([layers.Input((w[0],))] + [layers.Dense(b, activation="relu" if i < len(w) - 2 else None)
-                                                            for i, b in enumerate(w[1:])])
-        return model
+        return keras.Sequential([layers.Input((w[0],))] + [
+            layers.Dense(b, activation="relu" if i < len(w) - 2 else None) for i, b in enumerate(w[1:])])
     if name == "resnet18":
         c = RESNET18[size]
         x = inputs = keras.Input((c["image"], c["image"], 3))
@@ -216,8 +215,8 @@ def _keras_embed_class():
         def __init__(self, vocabulary, width, tokens, **kwargs):
             super().__init__(**kwargs)
             self.embed = keras.layers.Embedding(vocabulary, width)
-            self.position = self.add_weight(shape=(tokens, width), initializer=keras.initializers.RandomNormal(stddev=0.02),
-                                            name="position")
+            self.position = self.add_weight(shape=(tokens, width), name="position",
+                                            initializer=keras.initializers.RandomNormal(stddev=0.02))
 
         def call(self, tokens):
             n = keras.ops.shape(tokens)[1]

@@ -1,4 +1,4 @@
-"""End to end on slow links: Horovod (Gloo) jobs of ``benchmarks.models``' models where each worker has
+r"""End to end on slow links: Horovod (Gloo) jobs of ``benchmarks.models``' models where each worker has
 its own network link shaped by a token bucket, as on a cluster; writes the "Slow link" section of
 docs/performance.md and docs/slow_link.png.
 
@@ -14,6 +14,17 @@ The full tables for docs/performance.md (one section; each model gets its table)
     sudo .venv/bin/python -m benchmarks.slow_link --rates 1gbit 10gbit --workers 2 4 \
         --models mlp resnet18 transformer --jobs dense fp16 'scalecom:{"ratio": 0.01}' \
         'scalecom:{"ratio": 0.01, "pipelined": true}' 'qsparse:{"local_steps": 5}'
+
+and the same models on the TensorFlow frontend (Keras 3; dense, fp16 and ScaleCom only), into a
+section of its own (``slow_link_tensorflow``) and docs/slow_link_tensorflow.png::
+
+    sudo .venv/bin/python -m benchmarks.slow_link --framework tensorflow --rates 1gbit 10gbit \
+        --workers 2 4 --models mlp resnet18 transformer --jobs dense fp16 'scalecom:{"ratio": 0.01}' \
+        'scalecom:{"ratio": 0.01, "pipelined": true}'
+
+On a 2-core machine the 10 Gbit/s links are not reached: one Python TCP stream between two worker
+namespaces made about 8 Gbit/s there, and two at once about 6 each, unshaped as well as shaped (the
+CPU is the limit), and 4 workers share 2 cores with their own computation.
 
 Links (``--link``):
 
@@ -69,6 +80,8 @@ from benchmarks.models import DEFAULT_WIDTHS, MODELS, SIZES, build_model, descri
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "benchmarks", "_slow_link_worker.py")
+WORKERS = {"torch": WORKER, "tensorflow": os.path.join(ROOT, "benchmarks", "_slow_link_tf_worker.py")}
+TF_SCHEMES = ("dense", "fp16", "scalecom")  # what the TensorFlow worker runs
 DEFAULT_JOBS = ["dense", "fp16", 'scalecom:{"ratio": 0.01}', 'scalecom:{"ratio": 0.001}',
                 'scalecom:{"ratio": 0.01, "pipelined": true}',
                 # the seed systems: Sketched SGD at about ScaleCom 0.01's payload (FetchSGD's sketch
@@ -157,8 +170,9 @@ def _what(spec, workers):
 def horovod_job(network, workers, spec, timeout):
     """Rank 0's result of one job: on per-worker links (``network`` a :class:`cluster_links.Cluster`)
     or under ``horovodrun`` in a namespace with a shaped loopback (``network`` its name)."""
+    worker = WORKERS[spec.get("framework", "torch")]
     if isinstance(network, cluster_links.Cluster):
-        outputs = cluster_links.horovod_job(network, workers, [WORKER, json.dumps(spec)], _env(), timeout,
+        outputs = cluster_links.horovod_job(network, workers, [worker, json.dumps(spec)], _env(), timeout,
                                             _what(spec, workers))
         rows = _results(outputs[0])
         if not rows:
@@ -167,7 +181,7 @@ def horovod_job(network, workers, spec, timeout):
     from hvd_scalecom.launch import horovodrun_command
 
     cmd = ["ip", "netns", "exec", network,
-           *horovodrun_command([WORKER, json.dumps(spec)], np=workers, controller="gloo")]
+           *horovodrun_command([worker, json.dumps(spec)], np=workers, controller="gloo")]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout,
                               preexec_fn=cluster_links._die_with_parent)
@@ -218,16 +232,24 @@ def widths(text):
     return values
 
 
-def check_job(name, kwargs, model="mlp", size="full", widths=None):
-    """Build the job's scheme on the job's model in this process (no Horovod needed), so that options it refuses (an unknown keyword, a ratio of 2) stop the
-    benchmark before any namespace or job, not inside the namespace after the jobs before it ran.
+def check_job(name, kwargs, model="mlp", size="full", widths=None, framework="torch"):
+    """Build the job's scheme on the job's model in this process (no Horovod needed), so that options
+    it refuses (an unknown keyword, a ratio of 2) stop the benchmark before any namespace or job, not
+    inside the namespace after the jobs before it ran.
     Raises TypeError or ValueError."""
     import torch
 
     from benchmarks._slow_link_worker import COMPRESSORS, NO_OPTIONS, OPTIMIZER_WRAPPERS
+    if framework == "tensorflow" and name not in TF_SCHEMES:
+        raise ValueError(f"the TensorFlow worker runs {', '.join(TF_SCHEMES)} only")
     if name in NO_OPTIONS:
         if kwargs:
             raise TypeError(f"{name} takes no options, got {json.dumps(kwargs)}")
+        return
+    if framework == "tensorflow":
+        from benchmarks.models import build_keras_model
+        from hvd_scalecom.tensorflow import ScaleCom
+        ScaleCom(build_keras_model(model, size, widths).trainable_variables, **kwargs)
         return
     net = build_model(model, size, widths)
     if name in OPTIMIZER_WRAPPERS:
@@ -268,8 +290,8 @@ def network(link, rate, workers):
 
 
 def run(args):
-    base = {"size": args.model_size, "batch": args.batch, "warmup": args.warmup, "steps": args.steps,
-            "link": args.link, "nic": cluster_links.NIC if args.link == "per-worker" else "lo"}
+    base = {"framework": args.framework, "size": args.model_size, "batch": args.batch, "warmup": args.warmup,
+            "steps": args.steps, "link": args.link, "nic": cluster_links.NIC if args.link == "per-worker" else "lo"}
     jobs = [parse_job(j, args.scalecom_kwargs) for j in args.jobs]
     rows, links = [], {}
     check_namespaces()
@@ -357,9 +379,13 @@ def _link_text(args, links):
 def markdown(rows, links, args, command, plot, load):
     title = "one shaped link per worker" if args.link == "per-worker" else "one shaped loopback shared by all workers"
     lines = [
-        f"## Slow link: step time of Horovod jobs, {title}",
+        f"## Slow link{'' if args.framework == 'torch' else ', TensorFlow'}: step time of Horovod jobs, {title}",
         "",
-        f"Made by `{command}` (as root). Batch {args.batch} of synthetic data per worker, "
+        f"Made by `{command}` (as root). "
+        + ("PyTorch workers (`hvd.DistributedOptimizer`). " if args.framework == "torch" else
+           "TensorFlow workers: Keras 3 models trained through `hvd_scalecom.tensorflow.make_train_step` "
+           "(Horovod's `DistributedGradientTape`). ")
+        + f"Batch {args.batch} of synthetic data per worker, "
         f"one thread per worker, Gloo, `HOROVOD_CYCLE_TIME=1`; {args.warmup} warm-up and {args.steps} "
         f"timed steps per job, rank 0's median step, median over {args.repeats} runs of each job (in "
         f"alternating order). {_link_text(args, links)}; payload: what each worker hands "
@@ -474,6 +500,9 @@ def main(argv=None):
     ap.add_argument("--models", nargs="+", choices=MODELS, default=None,
                     help="default: all (mlp in --smoke)")
     ap.add_argument("--model-size", choices=SIZES, default=None, help="default: full (tiny in --smoke)")
+    ap.add_argument("--framework", choices=list(WORKERS), default="torch",
+                    help="the frontend the workers train with (tensorflow: Keras 3 models, dense, fp16 and "
+                         "scalecom jobs)")
     ap.add_argument("--jobs", type=job, nargs="+", default=None, help="NAME or NAME:JSON (see module doc)")
     ap.add_argument("--scalecom-kwargs", type=json_object, default={},
                     help="JSON merged into every ScaleCom job's constructor arguments")
@@ -483,8 +512,10 @@ def main(argv=None):
     ap.add_argument("--steps", type=COUNT, default=None)
     ap.add_argument("--repeats", type=COUNT, default=None, help="runs of each job (default 2; 1 in --smoke)")
     ap.add_argument("--timeout", type=SECONDS, default=900)
-    ap.add_argument("--out", type=output_file, default=None, help="default: docs/performance.md (a temporary file in --smoke)")
-    ap.add_argument("--plot", type=output_file, default=None, help="PNG path (default: docs/slow_link.png; none in --smoke)")
+    ap.add_argument("--out", type=output_file, default=None,
+                    help="default: docs/performance.md (a temporary file in --smoke)")
+    ap.add_argument("--plot", type=output_file, default=None,
+                    help="PNG path (default: docs/slow_link.png, docs/slow_link_tensorflow.png; none in --smoke)")
     args = ap.parse_args(argv)
     args.out = output_path(args.out, args.smoke, "performance.md")
     smoke = args.smoke
@@ -504,7 +535,8 @@ def main(argv=None):
         name, kwargs = parse_job(text, args.scalecom_kwargs)
         for model in args.models:
             try:
-                check_job(name, kwargs, model, args.model_size, args.widths if model == "mlp" else None)
+                check_job(name, kwargs, model, args.model_size, args.widths if model == "mlp" else None,
+                          args.framework)
             except (TypeError, ValueError) as e:
                 merged = f" with --scalecom-kwargs {json.dumps(args.scalecom_kwargs)}" \
                     if name == "scalecom" and args.scalecom_kwargs else ""
@@ -521,10 +553,11 @@ def main(argv=None):
     except JobFailed as why:
         print(f"slow_link: failed: {why}", file=sys.stderr, flush=True)
         return 1
-    plot = None if smoke and args.plot is None else (args.plot or os.path.join(ROOT, "docs", "slow_link.png"))
+    section = "slow_link" if args.framework == "torch" else f"slow_link_{args.framework}"
+    plot = None if smoke and args.plot is None else (args.plot or os.path.join(ROOT, "docs", f"{section}.png"))
     command = " ".join(["python -m benchmarks.slow_link", *map(shlex.quote, shown_arguments(
         sys.argv[1:] if argv is None else argv))])
-    replace_section(args.out, "slow_link", markdown(rows, links, args, command, plot,
+    replace_section(args.out, section, markdown(rows, links, args, command, plot,
                                                     load + [os.getloadavg()[0]]))  # (the table first)
     if plot:
         plot_rows(rows, plot, args.link)

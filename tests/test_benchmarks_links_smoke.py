@@ -168,3 +168,44 @@ def test_keras_models_have_the_torch_shapes():
         logits = keras_model(x)
         assert tuple(logits.shape) == tuple(torch_model(models.make_batch(
             name, "tiny", 2, torch.Generator().manual_seed(0))[0]).shape), name
+
+
+def test_tensorflow_jobs_are_the_schemes_its_worker_runs(tmp_path, capsys):
+    """A torch-only scheme with --framework tensorflow is refused before anything runs, naming it."""
+    from benchmarks import slow_link
+    out = tmp_path / "out.md"
+    with pytest.raises(SystemExit) as exit_:
+        slow_link.main(["--framework", "tensorflow", "--smoke", "--jobs", "dense", 'qsparse:{"local_steps": 5}',
+                        "--out", str(out)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "'qsparse:{\"local_steps\": 5}'" in err
+    assert "the TensorFlow worker runs dense, fp16, scalecom only" in err and not out.exists()
+
+
+def test_per_worker_report_from_synthetic_rows():
+    """Each worker's own bytes per step in the per-worker table, the wire column their mean, one
+    table per model."""
+    import argparse
+
+    from benchmarks import slow_link
+
+    def row(model, compressor, tx):
+        wire = [{"tx_bytes": t, "rx_bytes": r} for t, r in tx]
+        return {"rate": "1gbit", "workers": 2, "compressor": compressor, "label": compressor, "model": model,
+                "median_step_seconds": 0.1, "floor_seconds": 0.05, "tx_bytes": sum(t for t, _ in tx), "steps": 10,
+                "dense_bytes": 4_000_000, "parameters": 1_000_000, "wire": wire}
+
+    rows = [row("mlp", "dense", [(40e6, 41e6), (41e6, 40e6)]), row("mlp", "scalecom", [(2e6, 3e6), (3e6, 2e6)]),
+            row("transformer", "dense", [(40e6, 40e6), (40e6, 40e6)])]
+    combined = slow_link.combine([rows[1], {**rows[1], "wire": [{"tx_bytes": 4e6, "rx_bytes": 5e6}] * 2}])
+    assert combined["wire"] == [{"tx_bytes": 3e6, "rx_bytes": 4e6}, {"tx_bytes": 3.5e6, "rx_bytes": 3.5e6}]
+    args = argparse.Namespace(widths=[10, 10], batch=8, warmup=1, steps=10, repeats=1, workers=[2],
+                              calibrate_bytes=32 << 20, link="per-worker", model_size="full", framework="torch")
+    text = slow_link.markdown(rows, {"1gbit": 0.97}, args, "python -m benchmarks.slow_link", None, [1.0, 2.0])
+    assert "one shaped link per worker" in text and "0.97 Gbit/s at 1gbit" in text
+    assert text.count("### ") == 2 and "### a Transformer language model" in text
+    lines = text.splitlines()
+    assert "| 1gbit | 2 | scalecom | 100.0 | 1.000 | 1.00x | 50.0 | 2.00x | 0.250 | 0.0617 | 4.000 |  |  | " \
+           "0.200/0.300, 0.300/0.200 |" in lines
+    assert "| 1gbit | 2 | dense | 100.0 | 1.000 | 1.00x | 50.0 | 2.00x | 4.050 | 1.0000 | 4.000 |  |  | " \
+           "4.000/4.100, 4.100/4.000 |" in lines
