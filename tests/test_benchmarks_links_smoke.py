@@ -209,3 +209,21 @@ def test_per_worker_report_from_synthetic_rows():
            "0.200/0.300, 0.300/0.200 |" in lines
     assert "| 1gbit | 2 | dense | 100.0 | 1.000 | 1.00x | 50.0 | 2.00x | 4.050 | 1.0000 | 4.000 |  |  | " \
            "4.000/4.100, 4.100/4.000 |" in lines
+
+
+def test_slow_link_tensorflow_on_per_worker_links(tmp_path):
+    """The Keras 3 twin (a tiny ResNet-18 through make_train_step) on per-worker links: each worker's
+    link carried about the dense payload, and ScaleCom's bytes per worker are well under dense's."""
+    out = tmp_path / "performance.md"
+    stdout = run_smoke("benchmarks.slow_link", out, timeout=600,
+                       extra=("--framework", "tensorflow", "--models", "resnet18"))
+    if "slow_link: skipped:" in stdout:
+        pytest.skip(stdout.strip().splitlines()[-1])
+    text = out.read_text()
+    assert "<!-- slow_link_tensorflow:begin -->" in text and "TensorFlow workers: Keras 3 models" in text
+    rows = {r["scheme"]: r for r in _table(text, "### ResNet-18")}
+    payload = 4 * sum(p.numel() for p in models.build_model("resnet18", "tiny").parameters())
+    each = [float(v) for w in rows["dense"]["each worker sent/received MB/step"].split(", ") for v in w.split("/")]
+    assert len(each) == 4 and all(0.9 * payload / 1e6 <= v <= 1.5 * payload / 1e6 for v in each), (each, payload)
+    assert float(rows["ScaleCom 0.01"]["wire bytes vs dense"]) < 0.5, rows["ScaleCom 0.01"]
+    assert not _namespaces_left(), "a namespace was left behind"
