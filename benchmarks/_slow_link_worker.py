@@ -1,12 +1,17 @@
-"""One Horovod worker of ``benchmarks.slow_link``: trains an MLP on synthetic data for warm-up and
-timed steps, then times the same step with no communication, and rank 0 prints ``RESULT {json}``.
+"""One Horovod worker of ``benchmarks.slow_link``: trains a model of ``benchmarks.models`` on
+synthetic data for warm-up and timed steps, then times the same step with no communication, and rank
+0 prints ``RESULT {json}``.
 
     python benchmarks/_slow_link_worker.py SPEC_JSON
 
-SPEC_JSON holds ``compressor`` (a key of ``COMPRESSORS``), ``kwargs`` (passed to the compressor's
-factory), ``widths``, ``batch``, ``warmup`` and ``steps``. Bytes on the wire come from the network
-namespace's loopback counter, read by rank 0 between barriers around the timed steps. The floor is a
-copy of the model (taken before Horovod hooks its parameters) stepped with a plain optimizer by
+SPEC_JSON holds ``compressor`` (a key of ``COMPRESSORS`` or ``OPTIMIZER_WRAPPERS``), ``kwargs``
+(passed to its factory), ``model``, ``size`` and ``widths`` (see ``benchmarks.models``), ``batch``,
+``warmup``, ``steps``, ``nic`` (the interface whose counters give the bytes on the wire) and
+``link``: ``per-worker`` (every worker has its own ``nic``: each reads its own ``tx_bytes`` and
+``rx_bytes``) or ``shared-loopback`` (all share one ``lo``: its counter is everyone's). Each worker
+reads its counters between barriers around the timed steps (the totals) and before and after each
+timed step (per step: a collective still in flight at a step's end counts in the next). The floor is
+a copy of the model (taken before Horovod hooks its parameters) stepped with a plain optimizer by
 every rank at once right after the timed steps: the same step, the same processes sharing the same
 cores, no gradient exchange.
 """
@@ -20,7 +25,9 @@ import time
 
 import torch
 
-TX_BYTES = "/sys/class/net/lo/statistics/tx_bytes"
+from benchmarks.models import build_model, make_batch, make_mlp, task_loss
+
+make_model = make_mlp  # (the MLP of given widths, as other benchmarks size it)
 
 
 def _dense(hvd, model, kwargs):
@@ -58,21 +65,13 @@ NO_OPTIONS = {"dense", "fp16"}
 OWN_MOMENTUM = {"sketched"}
 
 
-def make_model(widths):
-    layers = []
-    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
-        layers.append(torch.nn.Linear(a, b))
-        if i < len(widths) - 2:
-            layers.append(torch.nn.ReLU())
-    return torch.nn.Sequential(*layers)
-
-
-def read_tx():
-    try:
-        with open(TX_BYTES) as f:
-            return int(f.read())
-    except OSError:
-        return None
+def read_counters(nic):
+    """``(tx_bytes, rx_bytes)`` of ``nic`` in this process's network namespace."""
+    values = []
+    for direction in ("tx", "rx"):
+        with open(f"/sys/class/net/{nic}/statistics/{direction}_bytes") as f:
+            values.append(int(f.read()))
+    return tuple(values)
 
 
 def _step_stats(compression):
@@ -89,18 +88,82 @@ def _totals(compression):
     return stats()["total"] if callable(stats) else None
 
 
+def measure(spec, hvd, train_step, local_step, barrier, compression, wrapper, parameters):
+    """Warm-up, timed steps (counters and statistics around them), then the floor; rank 0 prints
+    ``RESULT {json}``. ``train_step()`` and ``local_step()`` run one step of the job and of the copy
+    without communication; ``barrier(tag)`` is a tiny allreduce; ``hvd`` the frontend's module
+    (``rank``, ``size``, ``allgather_object``). Shared by the torch and TensorFlow workers."""
+    rank, size = hvd.rank(), hvd.size()
+    nic, per_worker = spec.get("nic", "lo"), spec.get("link", "shared-loopback") == "per-worker"
+    for _ in range(spec["warmup"]):
+        train_step()
+    barrier("start")
+    counters_start = read_counters(nic)
+    totals_start = _totals(compression) if wrapper else None
+    times, per_step, wire_steps = [], [], []
+    for _ in range(spec["steps"]):
+        before = read_counters(nic)
+        start = time.perf_counter()
+        train_step()
+        times.append(time.perf_counter() - start)
+        after = read_counters(nic)
+        wire_steps.append([a - b for a, b in zip(after, before)])
+        stats = _step_stats(compression)
+        if stats is not None:
+            per_step.append(stats)
+    barrier("end")
+    counters_end = read_counters(nic)
+    if wrapper:  # per-step means over the timed steps (a synchronisation every few steps)
+        totals_end = _totals(compression)
+        per_step = [{k: (totals_end[k] - totals_start[k]) / spec["steps"]
+                     for k in ("sent_bytes", "index_wait_seconds", "compress_seconds")
+                     if totals_end.get(k) is not None}]
+    # each worker's bytes: its totals between the barriers and its bytes in each timed step
+    wire = {"tx_bytes": counters_end[0] - counters_start[0], "rx_bytes": counters_end[1] - counters_start[1],
+            "tx_steps": [s[0] for s in wire_steps], "rx_steps": [s[1] for s in wire_steps]}
+    wire = hvd.allgather_object(wire, name="slow_link.wire")
+    local_step()  # warm-up
+    barrier("floor")
+    floor = []
+    for _ in range(spec["steps"]):
+        start = time.perf_counter()
+        local_step()
+        floor.append(time.perf_counter() - start)
+    floor = hvd.allgather_object(statistics.median(floor), name="slow_link.floor")
+    if rank != 0:
+        return
+    result = {
+        "compressor": spec["compressor"], "kwargs": spec.get("kwargs", {}), "workers": size,
+        "rank": rank, "model": spec.get("model", "mlp"), "framework": spec.get("framework", "torch"),
+        "parameters": parameters, "dense_bytes": 4 * parameters,
+        "step_seconds": times,
+        # the median step, or for an optimizer wrapper the mean (its synchronisations are rare steps)
+        "median_step_seconds": statistics.fmean(times) if wrapper else statistics.median(times),
+        "step_statistic": "mean" if wrapper else "median",
+        "floor_seconds": statistics.median(floor),
+        "link": "per-worker" if per_worker else "shared-loopback",
+        # all workers' bytes sent over the timed steps: the sum of their own links', or the one
+        # shared loopback's (every worker read the same counter)
+        "tx_bytes": sum(w["tx_bytes"] for w in wire) if per_worker else wire[0]["tx_bytes"],
+        "wire": wire if per_worker else None,
+        "steps": spec["steps"],
+    }
+    if per_step:
+        result["compressor_stats"] = {k: statistics.median(s[k] for s in per_step)
+                                      for k in per_step[0] if per_step[0][k] is not None}
+    print("RESULT " + json.dumps(result), flush=True)
+
+
 def main(spec):
     import horovod.torch as hvd
 
     torch.set_num_threads(1)
     hvd.init()
-    rank, size = hvd.rank(), hvd.size()
     torch.manual_seed(0)
-    widths = spec["widths"]
-    model = make_model(widths)
-    gen = torch.Generator().manual_seed(1000 + rank)
-    x = torch.randn(spec["batch"], widths[0], generator=gen)
-    y = torch.randint(0, widths[-1], (spec["batch"],), generator=gen)
+    model_name, model_size, widths = spec.get("model", "mlp"), spec.get("size", "full"), spec.get("widths")
+    model = build_model(model_name, model_size, widths)
+    x, y = make_batch(model_name, model_size, spec["batch"], torch.Generator().manual_seed(1000 + hvd.rank()),
+                      widths)
     local_model = copy.deepcopy(model)  # no Horovod hooks on its parameters
     local_optimizer = torch.optim.SGD(local_model.parameters(), lr=0.01, momentum=0.9)
     name, kwargs = spec["compressor"], spec.get("kwargs", {})
@@ -115,62 +178,14 @@ def main(spec):
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                              compression=compression)
 
-    def barrier(tag):
-        hvd.allreduce(torch.zeros(1), name=f"slow_link.barrier.{tag}")
-
     def step(net, opt):
         opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(net(x), y)
-        loss.backward()
+        task_loss(net(x), y).backward()
         opt.step()
-        return loss
 
-    for _ in range(spec["warmup"]):
-        step(model, optimizer)
-    barrier("start")
-    tx_start = read_tx()
-    totals_start = _totals(compression) if wrapper else None
-    times, per_step = [], []
-    for _ in range(spec["steps"]):
-        start = time.perf_counter()
-        step(model, optimizer)
-        times.append(time.perf_counter() - start)
-        stats = _step_stats(compression)
-        if stats is not None:
-            per_step.append(stats)
-    barrier("end")
-    tx_end = read_tx()
-    if wrapper:  # per-step means over the timed steps (a synchronisation every few steps)
-        totals_end = _totals(compression)
-        per_step = [{k: (totals_end[k] - totals_start[k]) / spec["steps"]
-                     for k in ("sent_bytes", "index_wait_seconds", "compress_seconds")
-                     if totals_end.get(k) is not None}]
-    step(local_model, local_optimizer)  # warm-up
-    barrier("floor")
-    floor = []
-    for _ in range(spec["steps"]):
-        start = time.perf_counter()
-        step(local_model, local_optimizer)
-        floor.append(time.perf_counter() - start)
-    floor = hvd.allgather_object(statistics.median(floor), name="slow_link.floor")
-    if rank != 0:
-        return
-    params = sum(p.numel() for p in model.parameters())
-    result = {
-        "compressor": spec["compressor"], "kwargs": spec.get("kwargs", {}), "workers": size,
-        "rank": rank, "parameters": params, "dense_bytes": 4 * params,
-        "step_seconds": times,
-        # the median step, or for an optimizer wrapper the mean (its synchronisations are rare steps)
-        "median_step_seconds": statistics.fmean(times) if wrapper else statistics.median(times),
-        "step_statistic": "mean" if wrapper else "median",
-        "floor_seconds": statistics.median(floor),
-        "tx_bytes": None if tx_start is None or tx_end is None else tx_end - tx_start,
-        "steps": spec["steps"],
-    }
-    if per_step:
-        result["compressor_stats"] = {k: statistics.median(s[k] for s in per_step)
-                                      for k in per_step[0] if per_step[0][k] is not None}
-    print("RESULT " + json.dumps(result), flush=True)
+    measure(spec, hvd, lambda: step(model, optimizer), lambda: step(local_model, local_optimizer),
+            lambda tag: hvd.allreduce(torch.zeros(1), name=f"slow_link.barrier.{tag}"), compression, wrapper,
+            sum(p.numel() for p in model.parameters()))
 
 
 if __name__ == "__main__":

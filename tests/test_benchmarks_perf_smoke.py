@@ -39,10 +39,11 @@ def test_kernels_smoke(tmp_path):
 
 
 def test_slow_link_smoke(tmp_path):
+    """The shared-loopback mode (tests/test_benchmarks_links_smoke.py runs the per-worker links)."""
     out = tmp_path / "performance.md"
     out.write_text("# Performance\n\nkept\n")
     stdout = run_smoke("benchmarks.slow_link", out, timeout=600,
-                       extra=("--jobs", "dense", 'scalecom:{"ratio": 0.01}'))
+                       extra=("--link", "shared-loopback", "--jobs", "dense", 'scalecom:{"ratio": 0.01}'))
     if "slow_link: skipped:" in stdout:
         pytest.skip(stdout.strip().splitlines()[-1])
     text = out.read_text()
@@ -105,7 +106,8 @@ def test_slow_link_report_from_synthetic_rows():
     rows = [row("1gbit", 2, "dense", 0.200, 80e6), combined,
             row("1gbit", 4, "dense", 0.300, 240e6), {**combined, "workers": 4, "tx_bytes": 9e6}]
     args = argparse.Namespace(widths=[10, 10], batch=8, warmup=1, steps=10, repeats=3, workers=[2, 4],
-                              calibrate_bytes=64 << 20)
+                              calibrate_bytes=64 << 20, link="shared-loopback", model_size="full",
+                              framework="torch")
     text = slow_link.markdown(rows, {"1gbit": 0.99}, args, "python -m benchmarks.slow_link", None, [1.0, 2.0])
     lines = text.splitlines()
     assert "| 1gbit | 2 | scalecom | 40.0 | 0.200 | 5.00x | 10.0 | 4.00x | 0.150 | 0.0375 | 0.080 | 1.0 | 2.0 |" in lines
