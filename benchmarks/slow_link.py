@@ -48,12 +48,16 @@ from benchmarks._report import COUNT, NON_NEGATIVE, SECONDS, output_file, output
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "benchmarks", "_slow_link_worker.py")
+DDP_WORKER = os.path.join(ROOT, "benchmarks", "_slow_link_ddp_worker.py")  # (jobs named ddp_*: torchrun)
 DEFAULT_JOBS = ["dense", "fp16", 'scalecom:{"ratio": 0.01}', 'scalecom:{"ratio": 0.001}',
                 'scalecom:{"ratio": 0.01, "pipelined": true}',
                 # the seed systems: Sketched SGD at about ScaleCom 0.01's payload (FetchSGD's sketch
                 # proportions leave k / 35, as in docs/convergence.md), Qsparse synchronising every
                 # 5 steps (2 synchronisations in the 10 timed steps)
-                'sketched:{"ratio": 0.0003}', 'qsparse:{"local_steps": 5}']
+                'sketched:{"ratio": 0.0003}', 'qsparse:{"local_steps": 5}',
+                # DistributedDataParallel (torchrun) with its own reduction, torch's fp16 and PowerSGD
+                # hooks (PowerSGD's rank: the one whose payload is closest to ScaleCom 0.01's) and ScaleCom's
+                "ddp_dense", "ddp_fp16", 'ddp_powersgd:{"ratio": 0.01}', 'ddp_scalecom:{"ratio": 0.01}']
 DEFAULT_WIDTHS = [1024, 2048, 2048, 1024, 10]  # the MLP's layer widths: 8.4M parameters
 SCALECOM_DEFAULTS = {"selection": "threshold"}  # the exact top-k set, found faster
 # Token bucket per rate: the smallest of 64 KB, 128 KB, ... with which one TCP stream of 64 and 256 MiB
@@ -174,8 +178,12 @@ def _die_with_parent():
 def horovod_job(namespace, workers, spec, timeout):
     from hvd_scalecom.launch import horovodrun_command
 
-    cmd = ["ip", "netns", "exec", namespace,
-           *horovodrun_command([WORKER, json.dumps(spec)], np=workers, controller="gloo")]
+    if spec["compressor"].startswith("ddp_"):
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(workers),
+                    DDP_WORKER, json.dumps(spec)]
+    else:
+        launcher = horovodrun_command([WORKER, json.dumps(spec)], np=workers, controller="gloo")
+    cmd = ["ip", "netns", "exec", namespace, *launcher]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout,
                               preexec_fn=_die_with_parent)
@@ -204,9 +212,10 @@ def json_object(text):
 
 def job(text):
     """An argparse ``type``: ``NAME`` or ``NAME:JSON``, NAME a scheme the worker knows, JSON an object."""
+    from benchmarks._slow_link_ddp_worker import HOOKS
     from benchmarks._slow_link_worker import COMPRESSORS, OPTIMIZER_WRAPPERS
     name, colon, raw = text.partition(":")
-    known = sorted({*COMPRESSORS, *OPTIMIZER_WRAPPERS})
+    known = sorted({*COMPRESSORS, *OPTIMIZER_WRAPPERS, *HOOKS})
     if name not in known:
         raise argparse.ArgumentTypeError(f"unknown scheme {name!r} in {text!r}: NAME or NAME:JSON, NAME one of "
                                          f"{', '.join(known)}")
@@ -232,13 +241,16 @@ def check_job(name, kwargs, widths):
     inside the namespace after the jobs before it ran. Raises TypeError or ValueError."""
     import torch
 
+    from benchmarks import _slow_link_ddp_worker as ddp_worker
     from benchmarks._slow_link_worker import COMPRESSORS, NO_OPTIONS, OPTIMIZER_WRAPPERS, make_model
-    if name in NO_OPTIONS:
+    if name in NO_OPTIONS or name in ddp_worker.NO_OPTIONS:
         if kwargs:
             raise TypeError(f"{name} takes no options, got {json.dumps(kwargs)}")
         return
     model = make_model(widths)
-    if name in OPTIMIZER_WRAPPERS:
+    if name in ddp_worker.HOOKS:
+        ddp_worker.HOOKS[name](model, kwargs)
+    elif name in OPTIMIZER_WRAPPERS:
         OPTIMIZER_WRAPPERS[name](model, torch.optim.SGD(model.parameters(), lr=0.01), kwargs)
     else:
         COMPRESSORS[name](None, model, kwargs)
@@ -249,10 +261,19 @@ def parse_job(text, scalecom_kwargs):
     kwargs = json.loads(raw) if raw else {}
     if name == "scalecom":
         kwargs = {**SCALECOM_DEFAULTS, **kwargs, **scalecom_kwargs}
+    if name == "ddp_scalecom":  # (--scalecom-kwargs are the Horovod compressor's: pipelined is not here)
+        kwargs = {**SCALECOM_DEFAULTS, **kwargs}
     return name, kwargs
 
 
-def label(name, kwargs):
+def label(name, kwargs, result=None):
+    if name.startswith("ddp_"):
+        if name == "ddp_scalecom":
+            return "DDP " + label("scalecom", kwargs)
+        if name == "ddp_powersgd":
+            rank = (result or {}).get("powersgd_rank")
+            return f"DDP PowerSGD rank {rank}" if rank else "DDP PowerSGD"
+        return {"ddp_dense": "DDP dense", "ddp_fp16": "DDP fp16 hook"}[name]
     if name == "scalecom":
         extra = {k: v for k, v in kwargs.items() if k not in ("ratio",) and SCALECOM_DEFAULTS.get(k) != v}
         text = f"ScaleCom {kwargs.get('ratio', 0.01):g}"
@@ -279,7 +300,7 @@ def run(args):
                     for i in order:
                         name, kwargs = jobs[i]
                         r = horovod_job(ns, workers, dict(base, compressor=name, kwargs=kwargs), args.timeout)
-                        r.update(rate=rate, label=label(name, kwargs))
+                        r.update(rate=rate, label=label(name, kwargs, r))
                         runs[i].append(r)
                         print(f"{rate:>7} {workers} workers {r['label']:28s} "
                               f"{1e3 * r['median_step_seconds']:9.1f} ms/step  "
@@ -339,7 +360,10 @@ def markdown(rows, links, args, command, plot, load):
         f"this {os.cpu_count()}-core machine). ScaleCom runs with "
         f"`{json.dumps(SCALECOM_DEFAULTS)}` (the exact top-k set) plus any options shown. Index wait: "
         "rank 0's waits for the leader's indices (ScaleCom) or for its two rounds' allreduces (Sketched "
-        "SGD), which its compress time leaves out. Load "
+        "SGD), which its compress time leaves out. Rows named DDP are torchrun jobs "
+        "(DistributedDataParallel with the named communication hook, `hvd_scalecom.ddp` for ScaleCom), "
+        "compared with DDP dense; their payload is counted in the torch.distributed calls of the hooks "
+        "(DDP dense: the fp32 gradients). Load "
         f"average of the machine (the jobs' own workers included): {load[0]:.1f} at the start, "
         f"{load[1]:.1f} at the end.",
         "",
@@ -349,8 +373,9 @@ def markdown(rows, links, args, command, plot, load):
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        baseline = "ddp_dense" if r["compressor"].startswith("ddp_") else "dense"  # (DDP against DDP)
         dense = next((d for d in rows if d["rate"] == r["rate"] and d["workers"] == r["workers"]
-                      and d["compressor"] == "dense"), None)
+                      and d["compressor"] == baseline), None)
         step = r["median_step_seconds"]
         vs = f"{step / dense['median_step_seconds']:.3f}" if dense else "n/a"
         speed = f"{dense['median_step_seconds'] / step:.2f}x" if dense else "n/a"
