@@ -25,3 +25,23 @@ def test_slow_link_ddp_jobs_smoke(tmp_path):
     assert payload["DDP ScaleCom 0.01"] == pytest.approx(0.007, abs=1e-3)  # 6,520 bytes (counted in the calls)
     for row in rows.values():
         assert float(row[9]) > 0 and re.fullmatch(r"[0-9.]+x", row[6].strip())  # wire bytes; speed-up vs DDP dense
+
+
+@pytest.mark.parametrize("job, message", [
+    ('ddp_scalecom:{"ratoi": 0.01}', "unexpected keyword argument 'ratoi'"),
+    ('ddp_fp16:{"ratio": 0.1}', "ddp_fp16 takes no options"),
+    ('ddp_powersgd:{"ratio": 0}', "ratio must be a number in"),
+])
+def test_a_bad_ddp_job_is_refused_naming_it_before_anything_runs(job, message, capsys):
+    from benchmarks import slow_link
+    with pytest.raises(SystemExit):
+        slow_link.main(["--smoke", "--jobs", job])
+    assert message in capsys.readouterr().err
+
+
+def test_powersgd_rank_is_the_one_closest_to_scalecom_payload():
+    from benchmarks._slow_link_ddp_worker import make_model, powersgd_payload, powersgd_rank, scalecom_payload
+    model = make_model([1024, 2048, 2048, 1024, 10])  # the benchmark's default MLP
+    assert powersgd_rank(model, 0.01) == 15
+    assert scalecom_payload(model, 0.01) == 672_392
+    assert [powersgd_payload(model, r) for r in (14, 15, 16)] == [634_920, 675_880, 716_840]
