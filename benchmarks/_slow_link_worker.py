@@ -14,6 +14,9 @@ timed step (per step: a collective still in flight at a step's end counts in the
 a copy of the model (taken before Horovod hooks its parameters) stepped with a plain optimizer by
 every rank at once right after the timed steps: the same step, the same processes sharing the same
 cores, no gradient exchange.
+
+The DistributedDataParallel worker (``_slow_link_ddp_worker``) builds its model, batch and floor
+copy with :func:`setup`, steps with :func:`sgd_step` and measures with :func:`measure`, as this one.
 """
 
 import copy
@@ -88,11 +91,32 @@ def _totals(compression):
     return stats()["total"] if callable(stats) else None
 
 
-def measure(spec, hvd, train_step, local_step, barrier, compression, wrapper, parameters):
+def setup(spec, rank):
+    """The job's model (seed 0: the same on every rank), ``rank``'s synthetic batch ``(x, y)``, and a
+    copy of the model (taken before a framework hooks its parameters) with a plain SGD optimizer for
+    the floor."""
+    torch.manual_seed(0)
+    model_name, model_size, widths = spec.get("model", "mlp"), spec.get("size", "full"), spec.get("widths")
+    model = build_model(model_name, model_size, widths)
+    batch = make_batch(model_name, model_size, spec["batch"], torch.Generator().manual_seed(1000 + rank), widths)
+    local_model = copy.deepcopy(model)
+    local_optimizer = torch.optim.SGD(local_model.parameters(), lr=0.01, momentum=0.9)
+    return model, batch, local_model, local_optimizer
+
+
+def sgd_step(net, optimizer, batch):
+    """One training step of ``net`` on ``batch``."""
+    optimizer.zero_grad()
+    task_loss(net(batch[0]), batch[1]).backward()
+    optimizer.step()
+
+
+def measure(spec, hvd, train_step, local_step, barrier, compression, wrapper, parameters, extra=None):
     """Warm-up, timed steps (counters and statistics around them), then the floor; rank 0 prints
-    ``RESULT {json}``. ``train_step()`` and ``local_step()`` run one step of the job and of the copy
-    without communication; ``barrier(tag)`` is a tiny allreduce; ``hvd`` the frontend's module
-    (``rank``, ``size``, ``allgather_object``). Shared by the torch and TensorFlow workers."""
+    ``RESULT {json}`` (with ``extra``'s items). ``train_step()`` and ``local_step()`` run one step of
+    the job and of the copy without communication; ``barrier(tag)`` is a tiny allreduce; ``hvd`` the
+    frontend's module (``rank``, ``size``, ``allgather_object``); ``compression``'s ``stats()``, if
+    it has one, gives each step's payload. Shared by the torch, TensorFlow and DDP workers."""
     rank, size = hvd.rank(), hvd.size()
     nic, per_worker = spec.get("nic", "lo"), spec.get("link", "shared-loopback") == "per-worker"
     for _ in range(spec["warmup"]):
@@ -148,6 +172,7 @@ def measure(spec, hvd, train_step, local_step, barrier, compression, wrapper, pa
         "wire": wire if per_worker else None,
         "steps": spec["steps"],
     }
+    result.update(extra or {})
     if per_step:
         result["compressor_stats"] = {k: statistics.median(s[k] for s in per_step)
                                       for k in per_step[0] if per_step[0][k] is not None}
@@ -159,13 +184,7 @@ def main(spec):
 
     torch.set_num_threads(1)
     hvd.init()
-    torch.manual_seed(0)
-    model_name, model_size, widths = spec.get("model", "mlp"), spec.get("size", "full"), spec.get("widths")
-    model = build_model(model_name, model_size, widths)
-    x, y = make_batch(model_name, model_size, spec["batch"], torch.Generator().manual_seed(1000 + hvd.rank()),
-                      widths)
-    local_model = copy.deepcopy(model)  # no Horovod hooks on its parameters
-    local_optimizer = torch.optim.SGD(local_model.parameters(), lr=0.01, momentum=0.9)
+    model, batch, local_model, local_optimizer = setup(spec, hvd.rank())
     name, kwargs = spec["compressor"], spec.get("kwargs", {})
     momentum = 0.0 if name in OWN_MOMENTUM else 0.9
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=momentum)
@@ -177,13 +196,8 @@ def main(spec):
         compression = COMPRESSORS[name](hvd, model, kwargs)
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                              compression=compression)
-
-    def step(net, opt):
-        opt.zero_grad()
-        task_loss(net(x), y).backward()
-        opt.step()
-
-    measure(spec, hvd, lambda: step(model, optimizer), lambda: step(local_model, local_optimizer),
+    measure(spec, hvd, lambda: sgd_step(model, optimizer, batch),
+            lambda: sgd_step(local_model, local_optimizer, batch),
             lambda tag: hvd.allreduce(torch.zeros(1), name=f"slow_link.barrier.{tag}"), compression, wrapper,
             sum(p.numel() for p in model.parameters()))
 

@@ -1,7 +1,8 @@
 """A small cluster on one machine: one network namespace per worker, each with its own link (a veth
 pair) into a Linux bridge in a namespace of its own, both directions of every link shaped by a token
 bucket, so that a worker's "NIC" carries only its own traffic, as on a cluster; and Horovod (Gloo)
-jobs on it, started without ``horovodrun`` from a rendezvous server on the bridge.
+jobs on it, started without ``horovodrun`` from a rendezvous server on the bridge (and
+torch.distributed jobs, started without ``torchrun``).
 
     sudo .venv/bin/python -m benchmarks.cluster_links --rate 1gbit    # check the shaping (4 workers)
 
@@ -26,6 +27,10 @@ does) in the bridge's namespace, listening on 10.77.0.254, with one host per wor
 ``HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT``, ``HOROVOD_CONTROLLER=gloo``, ``HOROVOD_CPU_OPERATIONS=gloo``,
 ``HOROVOD_GLOO_IFACE=eth0``, ``HOROVOD_HOSTNAME=worker<i>``, ``HOROVOD_RANK=i``, ``HOROVOD_SIZE``,
 local rank 0 of 1, cross rank ``i`` of N.
+
+torch.distributed jobs (:func:`torch_job`) get the ``env://`` variables instead, their store (the
+rendezvous ``torchrun``'s agent would host) served on the bridge, ``GLOO_SOCKET_IFNAME=eth0``, one
+process per worker.
 
 Everything made here is removed on exit, on errors and on SIGTERM/SIGINT/SIGHUP (with the processes
 started in the namespaces); namespaces of a run that was killed outright (``SIGKILL``), whose
@@ -253,35 +258,24 @@ def _stop(procs, grace=5.0):
             p.wait()
 
 
-def horovod_job(cluster_, workers, argv, env, timeout, what):
-    """Run ``argv`` (a Python script and its arguments) as a Horovod Gloo job of ``workers`` ranks,
-    rank ``i`` in ``cluster_.workers[i]``, with the variables ``horovodrun --gloo`` would set; returns
-    ``[output of rank 0, ...]`` (stdout and stderr). A rank that fails stops the others; past
-    ``timeout`` seconds all are stopped; both raise :class:`JobFailed` naming ``what``."""
+def _check_workers(cluster_, workers):
     if not 1 <= workers <= len(cluster_.workers):
         raise ValueError(f"workers must be 1 .. {len(cluster_.workers)}, got {workers!r}")
-    hostnames = [f"worker{i}" for i in range(workers)]
-    server = subprocess.Popen(
-        in_namespace(cluster_.bridge, [sys.executable, "-c", "import sys; from benchmarks.cluster_links import "
-                                       f"serve_rendezvous; serve_rendezvous({hostnames!r})"]),
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env,
-        preexec_fn=_die_with_parent)
+
+
+def run_ranks(cluster_, argv, envs, timeout, what):
+    """Run ``argv`` (a Python script and its arguments) once per item of ``envs`` (each rank's
+    environment), rank ``i`` in ``cluster_.workers[i]``; returns ``[output of rank 0, ...]`` (stdout
+    and stderr). A rank that fails stops the others; past ``timeout`` seconds all are stopped; both
+    raise :class:`JobFailed` naming ``what``."""
     procs, logs = [], []
     try:
-        line = _read_line(server, 60)
-        if not line:
-            raise JobFailed(f"{what}: the rendezvous server in {cluster_.bridge} did not start within 60 s")
-        rendezvous = json.loads(line)
-        common = {"HOROVOD_GLOO_RENDEZVOUS_ADDR": BRIDGE_ADDRESS,
-                  "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rendezvous["port"]), "HOROVOD_CONTROLLER": "gloo",
-                  "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_IFACE": NIC, "PYTHONUNBUFFERED": "1"}
-        for rank in range(workers):
+        for rank, env in enumerate(envs):
             log = tempfile.TemporaryFile(mode="w+")
             logs.append(log)
             procs.append(subprocess.Popen(
                 in_namespace(cluster_.workers[rank], [sys.executable, *argv]), stdout=log,
-                stderr=subprocess.STDOUT, cwd=ROOT, env={**env, **common, **rendezvous["slots"][rank]},
-                preexec_fn=_die_with_parent))
+                stderr=subprocess.STDOUT, cwd=ROOT, env=env, preexec_fn=_die_with_parent))
         deadline = time.monotonic() + timeout
         failed, timed_out = None, False
         while any(p.poll() is None for p in procs):
@@ -306,11 +300,74 @@ def horovod_job(cluster_, workers, argv, env, timeout, what):
         return outputs
     finally:
         _stop(procs)
+        for log in logs:
+            log.close()
+
+
+def horovod_job(cluster_, workers, argv, env, timeout, what):
+    """Run ``argv`` (a Python script and its arguments) as a Horovod Gloo job of ``workers`` ranks,
+    rank ``i`` in ``cluster_.workers[i]``, with the variables ``horovodrun --gloo`` would set; returns
+    and raises as :func:`run_ranks`."""
+    _check_workers(cluster_, workers)
+    hostnames = [f"worker{i}" for i in range(workers)]
+    server = subprocess.Popen(
+        in_namespace(cluster_.bridge, [sys.executable, "-c", "import sys; from benchmarks.cluster_links import "
+                                       f"serve_rendezvous; serve_rendezvous({hostnames!r})"]),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env,
+        preexec_fn=_die_with_parent)
+    try:
+        line = _read_line(server, 60)
+        if not line:
+            raise JobFailed(f"{what}: the rendezvous server in {cluster_.bridge} did not start within 60 s")
+        rendezvous = json.loads(line)
+        common = {"HOROVOD_GLOO_RENDEZVOUS_ADDR": BRIDGE_ADDRESS,
+                  "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rendezvous["port"]), "HOROVOD_CONTROLLER": "gloo",
+                  "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_IFACE": NIC, "PYTHONUNBUFFERED": "1"}
+        return run_ranks(cluster_, argv, [{**env, **common, **rendezvous["slots"][rank]} for rank in range(workers)],
+                         timeout, what)
+    finally:
         with contextlib.suppress(OSError):
             server.stdin.close()
         _stop([server])
-        for log in logs:
-            log.close()
+
+
+def serve_store():
+    """Run in the bridge's namespace: torch.distributed's ``TCPStore`` server (what ``torchrun``'s
+    agent hosts for its workers) on a free port of the bridge's address; prints ``{"port"}`` as one
+    JSON line, then serves until its standard input closes."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore(BRIDGE_ADDRESS, 0, is_master=True, wait_for_workers=False)
+    print(json.dumps({"port": store.port}), flush=True)
+    sys.stdin.read()  # until the benchmark closes it (or dies)
+
+
+def torch_job(cluster_, workers, argv, env, timeout, what):
+    """Run ``argv`` as a torch.distributed job of ``workers`` ranks, rank ``i`` in
+    ``cluster_.workers[i]``, with the ``env://`` variables ``torchrun`` would set for one process
+    per node: ``MASTER_ADDR``/``MASTER_PORT`` the store that :func:`serve_store` runs on the bridge
+    (``TORCHELASTIC_USE_AGENT_STORE=True``: every rank a client of it, as under torchrun, so that no
+    rank's exit takes the store from the others), ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` 0 of
+    ``LOCAL_WORLD_SIZE`` 1, and ``GLOO_SOCKET_IFNAME=eth0`` (Gloo's connections on the worker's
+    link); returns and raises as :func:`run_ranks`."""
+    _check_workers(cluster_, workers)
+    server = subprocess.Popen(
+        in_namespace(cluster_.bridge, [sys.executable, "-c", "from benchmarks.cluster_links import serve_store; "
+                                       "serve_store()"]),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env, preexec_fn=_die_with_parent)
+    try:
+        line = _read_line(server, 120)
+        if not line:
+            raise JobFailed(f"{what}: the store in {cluster_.bridge} did not start within 120 s")
+        common = {"MASTER_ADDR": BRIDGE_ADDRESS, "MASTER_PORT": str(json.loads(line)["port"]),
+                  "TORCHELASTIC_USE_AGENT_STORE": "True", "WORLD_SIZE": str(workers), "LOCAL_RANK": "0",
+                  "LOCAL_WORLD_SIZE": "1", "GLOO_SOCKET_IFNAME": NIC, "PYTHONUNBUFFERED": "1"}
+        return run_ranks(cluster_, argv, [{**env, **common, "RANK": str(rank), "GROUP_RANK": str(rank)}
+                                          for rank in range(workers)], timeout, what)
+    finally:
+        with contextlib.suppress(OSError):
+            server.stdin.close()
+        _stop([server])
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -60,6 +60,18 @@ Jobs are ``NAME`` or ``NAME:JSON`` with NAME a key of ``_slow_link_worker.COMPRE
 ``OPTIMIZER_WRAPPERS``: Qsparse-local-SGD, whose step time and bytes are means over the timed steps,
 since it synchronises every few steps) and JSON passed to its factory; ``--scalecom-kwargs`` is
 merged into every ScaleCom job.
+
+Jobs named ``ddp_*`` (keys of ``_slow_link_ddp_worker.HOOKS``: ``ddp_dense``, ``ddp_fp16``,
+``ddp_powersgd``, ``ddp_scalecom``) train the same model under ``DistributedDataParallel`` (Gloo)
+with torch's fp16 or PowerSGD hook or ``hvd_scalecom.ddp``'s ScaleCom hook, measured by the same
+code as the Horovod jobs and compared with DDP dense. On per-worker links each rank is ``ip netns
+exec NS python _slow_link_ddp_worker.py`` in its worker's namespace with torch.distributed's
+``env://`` variables (``MASTER_ADDR`` worker 0's address, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK=0``,
+``GLOO_SOCKET_IFNAME=eth0``); on the shared loopback, ``torchrun --standalone`` in the namespace.
+Their payload is counted in the torch.distributed calls of the hooks (DDP's own reduction: the fp32
+gradients). PowerSGD's rank is the one whose payload is closest to ScaleCom's at the job's
+``ratio``; its jobs keep the model in one bucket (torch's PowerSGD hook fails on Gloo when the
+reductions of two buckets overlap: docs/ddp.md).
 """
 
 import argparse
@@ -81,13 +93,17 @@ from benchmarks.models import DEFAULT_WIDTHS, MODELS, SIZES, build_model, descri
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "benchmarks", "_slow_link_worker.py")
 WORKERS = {"torch": WORKER, "tensorflow": os.path.join(ROOT, "benchmarks", "_slow_link_tf_worker.py")}
+DDP_WORKER = os.path.join(ROOT, "benchmarks", "_slow_link_ddp_worker.py")  # (the jobs named ddp_*)
 TF_SCHEMES = ("dense", "fp16", "scalecom")  # what the TensorFlow worker runs
 DEFAULT_JOBS = ["dense", "fp16", 'scalecom:{"ratio": 0.01}', 'scalecom:{"ratio": 0.001}',
                 'scalecom:{"ratio": 0.01, "pipelined": true}',
                 # the seed systems: Sketched SGD at about ScaleCom 0.01's payload (FetchSGD's sketch
                 # proportions leave k / 35, as in docs/convergence.md), Qsparse synchronising every
                 # 5 steps (2 synchronisations in the 10 timed steps)
-                'sketched:{"ratio": 0.0003}', 'qsparse:{"local_steps": 5}']
+                'sketched:{"ratio": 0.0003}', 'qsparse:{"local_steps": 5}',
+                # DistributedDataParallel with its own reduction, torch's fp16 and PowerSGD hooks
+                # (PowerSGD's rank: the one whose payload is closest to ScaleCom 0.01's) and ScaleCom's
+                "ddp_dense", "ddp_fp16", 'ddp_powersgd:{"ratio": 0.01}', 'ddp_scalecom:{"ratio": 0.01}']
 SCALECOM_DEFAULTS = {"selection": "threshold"}  # the exact top-k set, found faster
 LINKS = ("per-worker", "shared-loopback")
 
@@ -167,25 +183,33 @@ def _what(spec, workers):
     return f"{spec['compressor']} with {workers} workers"
 
 
-def horovod_job(network, workers, spec, timeout):
-    """Rank 0's result of one job: on per-worker links (``network`` a :class:`cluster_links.Cluster`)
-    or under ``horovodrun`` in a namespace with a shaped loopback (``network`` its name)."""
-    worker = WORKERS[spec.get("framework", "torch")]
+def run_job(network, workers, spec, timeout):
+    """Rank 0's result of one job: on per-worker links (``network`` a :class:`cluster_links.Cluster`;
+    Horovod from its rendezvous server on the bridge, DDP with torch.distributed's ``env://``
+    variables) or in a namespace with a shaped loopback (``network`` its name; under ``horovodrun``,
+    DDP under ``torchrun``)."""
+    ddp = spec["compressor"].startswith("ddp_")
+    argv = [DDP_WORKER if ddp else WORKERS[spec.get("framework", "torch")], json.dumps(spec)]
     if isinstance(network, cluster_links.Cluster):
-        outputs = cluster_links.horovod_job(network, workers, [worker, json.dumps(spec)], _env(), timeout,
-                                            _what(spec, workers))
+        start = cluster_links.torch_job if ddp else cluster_links.horovod_job
+        outputs = start(network, workers, argv, _env(), timeout, _what(spec, workers))
         rows = _results(outputs[0])
         if not rows:
             raise JobFailed(f"{_what(spec, workers)}: rank 0 printed no result:\n{outputs[0][-6000:]}")
         return rows[0]
     from hvd_scalecom.launch import horovodrun_command
 
-    cmd = ["ip", "netns", "exec", network,
-           *horovodrun_command([worker, json.dumps(spec)], np=workers, controller="gloo")]
+    if ddp:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(workers),
+                    *argv]
+    else:
+        launcher = horovodrun_command(argv, np=workers, controller="gloo")
+    cmd = ["ip", "netns", "exec", network, *launcher]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout,
                               preexec_fn=cluster_links._die_with_parent)
-    except subprocess.TimeoutExpired as e:  # (run() has killed horovodrun; its workers follow it)
+    except subprocess.TimeoutExpired as e:  # (run() has killed the launcher; what is left of its
+        # workers goes with the namespace)
         output = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
                          for x in (e.stdout, e.stderr))
         raise JobFailed(f"{_what(spec, workers)} ran past --timeout {timeout:g} s and was "
@@ -210,9 +234,10 @@ def json_object(text):
 
 def job(text):
     """An argparse ``type``: ``NAME`` or ``NAME:JSON``, NAME a scheme the worker knows, JSON an object."""
+    from benchmarks._slow_link_ddp_worker import HOOKS
     from benchmarks._slow_link_worker import COMPRESSORS, OPTIMIZER_WRAPPERS
     name, colon, raw = text.partition(":")
-    known = sorted({*COMPRESSORS, *OPTIMIZER_WRAPPERS})
+    known = sorted({*COMPRESSORS, *OPTIMIZER_WRAPPERS, *HOOKS})
     if name not in known:
         raise argparse.ArgumentTypeError(f"unknown scheme {name!r} in {text!r}: NAME or NAME:JSON, NAME one of "
                                          f"{', '.join(known)}")
@@ -239,10 +264,11 @@ def check_job(name, kwargs, model="mlp", size="full", widths=None, framework="to
     Raises TypeError or ValueError."""
     import torch
 
+    from benchmarks import _slow_link_ddp_worker as ddp_worker
     from benchmarks._slow_link_worker import COMPRESSORS, NO_OPTIONS, OPTIMIZER_WRAPPERS
     if framework == "tensorflow" and name not in TF_SCHEMES:
         raise ValueError(f"the TensorFlow worker runs {', '.join(TF_SCHEMES)} only")
-    if name in NO_OPTIONS:
+    if name in NO_OPTIONS or name in ddp_worker.NO_OPTIONS:
         if kwargs:
             raise TypeError(f"{name} takes no options, got {json.dumps(kwargs)}")
         return
@@ -252,7 +278,9 @@ def check_job(name, kwargs, model="mlp", size="full", widths=None, framework="to
         ScaleCom(build_keras_model(model, size, widths).trainable_variables, **kwargs)
         return
     net = build_model(model, size, widths)
-    if name in OPTIMIZER_WRAPPERS:
+    if name in ddp_worker.HOOKS:
+        ddp_worker.HOOKS[name](net, kwargs)
+    elif name in OPTIMIZER_WRAPPERS:
         OPTIMIZER_WRAPPERS[name](net, torch.optim.SGD(net.parameters(), lr=0.01), kwargs)
     else:
         COMPRESSORS[name](None, net, kwargs)
@@ -263,10 +291,19 @@ def parse_job(text, scalecom_kwargs):
     kwargs = json.loads(raw) if raw else {}
     if name == "scalecom":
         kwargs = {**SCALECOM_DEFAULTS, **kwargs, **scalecom_kwargs}
+    if name == "ddp_scalecom":  # (--scalecom-kwargs are the Horovod compressor's: pipelined is not here)
+        kwargs = {**SCALECOM_DEFAULTS, **kwargs}
     return name, kwargs
 
 
-def label(name, kwargs):
+def label(name, kwargs, result=None):
+    if name.startswith("ddp_"):
+        if name == "ddp_scalecom":
+            return "DDP " + label("scalecom", kwargs)
+        if name == "ddp_powersgd":
+            rank = (result or {}).get("powersgd_rank")
+            return f"DDP PowerSGD rank {rank}" if rank else "DDP PowerSGD"
+        return {"ddp_dense": "DDP dense", "ddp_fp16": "DDP fp16 hook"}[name]
     if name == "scalecom":
         extra = {k: v for k, v in kwargs.items() if k not in ("ratio",) and SCALECOM_DEFAULTS.get(k) != v}
         text = f"ScaleCom {kwargs.get('ratio', 0.01):g}"
@@ -291,7 +328,8 @@ def network(link, rate, workers):
 
 def run(args):
     base = {"framework": args.framework, "size": args.model_size, "batch": args.batch, "warmup": args.warmup,
-            "steps": args.steps, "link": args.link, "nic": cluster_links.NIC if args.link == "per-worker" else "lo"}
+            "steps": args.steps, "timeout": args.timeout, "link": args.link,
+            "nic": cluster_links.NIC if args.link == "per-worker" else "lo"}
     jobs = [parse_job(j, args.scalecom_kwargs) for j in args.jobs]
     rows, links = [], {}
     check_namespaces()
@@ -307,8 +345,8 @@ def run(args):
                         order = range(len(jobs)) if repeat % 2 == 0 else reversed(range(len(jobs)))
                         for i in order:
                             name, kwargs = jobs[i]
-                            r = horovod_job(net, workers, dict(spec, compressor=name, kwargs=kwargs), args.timeout)
-                            r.update(rate=rate, label=label(name, kwargs))
+                            r = run_job(net, workers, dict(spec, compressor=name, kwargs=kwargs), args.timeout)
+                            r.update(rate=rate, label=label(name, kwargs, r))
                             runs[i].append(r)
                             print(f"{rate:>7} {model:11s} {workers} workers {r['label']:28s} "
                                   f"{1e3 * r['median_step_seconds']:9.1f} ms/step  "
@@ -376,6 +414,16 @@ def _link_text(args, links):
             "(TCP/IP headers and Horovod's own coordination messages included)")
 
 
+def _ddp_text(args):
+    started = ("one process per worker in its namespace, torch.distributed's `env://` rendezvous at worker "
+               "0's address, Gloo on the worker's link" if args.link == "per-worker" else "under torchrun")
+    return ("Rows named DDP: `DistributedDataParallel` jobs (Gloo, the same model, batch, steps and "
+            f"counters; {started}) with the named communication hook (`hvd_scalecom.ddp` for ScaleCom; "
+            "PowerSGD's jobs keep the model in one bucket, its hook failing on Gloo when buckets overlap), "
+            "compared with DDP dense; their payload is counted in the torch.distributed calls of the "
+            "hooks (DDP dense: the fp32 gradients). ")
+
+
 def markdown(rows, links, args, command, plot, load):
     title = "one shaped link per worker" if args.link == "per-worker" else "one shaped loopback shared by all workers"
     lines = [
@@ -395,7 +443,8 @@ def markdown(rows, links, args, command, plot, load):
         f"this {os.cpu_count()}-core machine). ScaleCom runs with "
         f"`{json.dumps(SCALECOM_DEFAULTS)}` (the exact top-k set) plus any options shown. Index wait: "
         "rank 0's waits for the leader's indices (ScaleCom) or for its two rounds' allreduces (Sketched "
-        "SGD), which its compress time leaves out. Load "
+        "SGD), which its compress time leaves out. " + (_ddp_text(args) if any(
+            r["compressor"].startswith("ddp_") for r in rows) else "") + "Load "
         f"average of the machine (the jobs' own workers included): {load[0]:.1f} at the start, "
         f"{load[1]:.1f} at the end.",
     ]
@@ -410,8 +459,9 @@ def markdown(rows, links, args, command, plot, load):
                   "compress ms/step |" + (" each worker sent/received MB/step |" if per_worker else ""),
                   "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---|" if per_worker else "")]
         for r in these:
+            baseline = "ddp_dense" if r["compressor"].startswith("ddp_") else "dense"  # (DDP against DDP)
             dense = next((d for d in these if d["rate"] == r["rate"] and d["workers"] == r["workers"]
-                          and d["compressor"] == "dense"), None)
+                          and d["compressor"] == baseline), None)
             step = r["median_step_seconds"]
             vs = f"{step / dense['median_step_seconds']:.3f}" if dense else "n/a"
             speed = f"{dense['median_step_seconds'] / step:.2f}x" if dense else "n/a"

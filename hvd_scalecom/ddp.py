@@ -1,0 +1,488 @@
+"""ScaleCom as a communication hook of PyTorch's ``DistributedDataParallel``.
+
+    from hvd_scalecom.ddp import ScaleComState, scalecom_hook
+    state = ScaleComState(process_group=None, ratio=0.01, beta=0.1, warmup_steps=0, min_numel=1024,
+                          named_parameters=model.named_parameters())
+    ddp_model.register_comm_hook(state, scalecom_hook)
+
+The equations are those of the Horovod compressor (Chen et al., NeurIPS 2020, Algorithm 1), from
+the same functions (:mod:`hvd_scalecom.torch.clt_k`). Per parameter of a bucket with at least
+``min_numel`` entries, at synchronised backward pass ``t >= warmup_steps`` (``t`` counts every pass
+DDP reduces, warm-up included; passes under ``no_sync()`` are not reduced and not counted):
+
+1. ``p_i = m_i + g_i``; the leader ``j = t mod n`` (``"staggered"``: ``(t + parameter index) mod
+   n``) selects ``I = top_k(|p_j|)``, ``k = max(1, ceil(ratio * numel))``;
+2. the indices of *all* the bucket's compressed parameters travel in one collective: a broadcast
+   from the leader of their concatenation (``"staggered"``: an allreduce-sum of it, to which each
+   rank gives the indices it leads and zeros elsewhere: several leaders, one collective);
+3. every rank's ``p_i[I]`` of all those parameters, followed by the bucket's dense parameters (fewer
+   than ``min_numel`` entries, or every parameter while ``t < warmup_steps``), travel in one
+   allreduce (two where ``value_dtype`` differs from the gradients' dtype: values, then dense),
+   summed and divided by ``n``;
+4. ``m_i <- (1 - beta) m_i + beta (p_i - scatter(I, p_i[I]))`` (skipped, on every rank alike, for a
+   parameter whose reduced values are not finite), and the bucket's buffer receives
+   ``scatter(I, mean_i p_i[I])`` for each compressed parameter and the averages of the dense ones.
+
+The hook returns at once: the collectives run while the backward pass goes on. Collectives of one
+process group must be issued in the same order on every rank, and a Gloo future completes on one
+of the process group's threads at a time no other rank shares; so a step's collectives are issued
+through one :class:`_Issuer`, always in the order (bucket 0's indices, bucket 0's values, bucket
+1's indices, ...), whichever thread gets there first.
+"""
+
+import hashlib
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from hvd_scalecom.agreement import DTYPES_HINT, STEPS_HINT, check_gathered, dtype_names, encode, shapes_digest
+from hvd_scalecom.config import INDEX_DTYPES, INT32_INDEX_MAX_NUMEL, VALUE_DTYPES, ScaleComConfig, check_dtype_name
+from hvd_scalecom.state import checked_params
+from hvd_scalecom.torch import clt_k
+from hvd_scalecom.torch.common import as_memory_of, check_state_entry
+from hvd_scalecom.traffic import TrafficMeter
+
+__all__ = ["ScaleComState", "scalecom_hook"]
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                 "int32": torch.int32, "int64": torch.int64}
+
+
+class ScaleComState:
+    """What :func:`scalecom_hook` keeps from step to step: the configuration, the step counter ``iter``
+    (synchronised backward passes so far), each parameter's residue memory (by parameter name, kept
+    in fp32 at least) and the byte counts of :meth:`stats`.
+
+    Args:
+        process_group: the group DDP reduces over (default: the default group).
+        ratio, beta, warmup_steps, min_numel, leader, selection, value_dtype, index_dtype: as for the
+            Horovod ``hvd_scalecom.torch.ScaleCom`` (see ``hvd_scalecom.config.ScaleComConfig``);
+            ``value_dtype`` takes ``torch.bfloat16`` too (DDP's collectives carry it).
+        named_parameters: ``model.named_parameters()`` (or the DDP model's): names for
+            :meth:`state_dict`, errors and :meth:`stats`, and the parameter order of the
+            ``"staggered"`` leader (as Horovod's). Without it parameters are named ``param0``,
+            ``param1``, ... in the order the hook first meets them, and there is no ``state_dict``.
+    """
+
+    def __init__(self, process_group=None, ratio=0.01, beta=0.1, warmup_steps=0, min_numel=1024, *,
+                 leader="cyclic", selection="threshold", value_dtype=None, index_dtype=torch.int32,
+                 named_parameters=None):
+        self.config = ScaleComConfig(
+            ratio=ratio, beta=beta, warmup_steps=warmup_steps, min_numel=min_numel, leader=leader,
+            selection=selection, value_dtype=check_dtype_name(value_dtype, "value_dtype", VALUE_DTYPES),
+            index_dtype=check_dtype_name(index_dtype, "index_dtype", INDEX_DTYPES))
+        self.process_group = _check_group(process_group)
+        self.iter = 0  # t: synchronised backward passes so far
+        self.nonfinite_skips = 0  # parameter-steps whose memory update a non-finite reduction skipped
+        self.traffic = TrafficMeter()
+        self._value_dtype = _TORCH_DTYPES.get(self.config.value_dtype)
+        self._named = named_parameters is not None
+        self._params = {}  # id(parameter) -> (name, index, parameter)
+        if self._named:
+            for index, (name, param) in enumerate(_named_parameter_list(named_parameters)):
+                self._params[id(param)] = (name, index, param)
+        self._memories = {}  # name -> flat residue memory
+        self._agreed = False
+        self._lock = threading.Lock()  # the meter and counters, written from the hook and from callbacks
+        self._issuer = None  # this step's _Issuer
+
+    # -- statistics and state ---------------------------------------------------------------------
+
+    def stats(self, step=None):
+        """Payload bytes handed to the process group on this rank for ``step`` (default: the last
+        complete step), as the Horovod ScaleCom's ``stats()``: ``index_bytes`` (sent by a leader,
+        received by the others), ``value_bytes``, ``dense_bytes``, ``sent_bytes``,
+        ``uncompressed_bytes`` (what DDP's own allreduce would have handed over), ``ratio``,
+        ``compress_seconds``, ``index_wait_seconds`` (0 here: nothing waits), ``tensors``,
+        ``nonfinite_skips`` and ``total`` (every step so far). Call it between steps."""
+        explicit = step is not None
+        if step is None:
+            step = max(self.iter - 1, 0)
+        with self._lock:
+            out = self.traffic.step(step, strict=explicit).as_dict()
+            out["total"] = self.traffic.total.as_dict()
+        out["step"] = step
+        out["nonfinite_skips"] = self.nonfinite_skips
+        return out
+
+    def state_dict(self):
+        """This rank's residue memories by parameter name (each rank's differ: every rank saves its
+        own), the step counter and the configuration. Call it between steps."""
+        self._need_names("state_dict()")
+        params = {}
+        for name, _, param in self._params.values():
+            memory = self._memories.get(name)
+            params[name] = {"step": self.iter, "shape": list(param.shape),
+                            "memory": None if memory is None else memory.detach().clone()}
+        return {"config": self.config.as_dict(), "step": self.iter, "nonfinite_skips": self.nonfinite_skips,
+                "params": params}
+
+    def load_state_dict(self, state):
+        """Restore what :meth:`state_dict` returned (every entry checked before anything changes).
+        Every rank must load a state of the same step: the first step after compares them."""
+        self._need_names("load_state_dict()")
+        by_name = {name: param for name, _, param in self._params.values()}
+        params = checked_params(state, "ScaleComState", self.config.as_dict(), by_name)
+        step = state.get("step")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"state step must be an int >= 0, got {step!r}")
+        memories = {}
+        for name, entry in params.items():
+            param = by_name[name]
+            check_state_entry(name, entry, param.shape, ("memory",), dtype=clt_k.memory_dtype(param.dtype))
+            if entry["step"] != step:
+                raise ValueError(f"state step of {name!r} is {entry['step']}, the state's {step}")
+            if entry.get("memory") is not None:
+                memories[name] = as_memory_of(entry["memory"], param)
+        self.iter = step
+        self.nonfinite_skips = int(state.get("nonfinite_skips", 0))
+        self._memories = memories
+        self._agreed = False  # the restored step is compared across ranks at the next step
+        self._issuer = None
+
+    def __getstate__(self):
+        """Pickles without the process group (an unpickled state uses the default group), locks,
+        collectives in flight or the parameters themselves: a named state unpickled in another process
+        needs :meth:`bind_parameters` before its next step."""
+        state = dict(self.__dict__)
+        for key in ("process_group", "_lock", "_issuer"):
+            del state[key]
+        state["_params"] = {}  # (keyed by id(): meaningless in another process)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.process_group = None
+        self._lock = threading.Lock()
+        self._issuer = None
+
+    def bind_parameters(self, named_parameters):
+        """Name the parameters (``model.named_parameters()``) of a state unpickled or built without
+        them; their residue memories are found by these names."""
+        self._named = True
+        self._params = {id(p): (n, i, p) for i, (n, p) in enumerate(_named_parameter_list(named_parameters))}
+
+    # -- internals ----------------------------------------------------------------------------------
+
+    def _need_names(self, what):
+        if not self._params or not self._named:
+            raise ValueError(f"ScaleComState.{what} needs the parameters' names: build it with "
+                             f"named_parameters=model.named_parameters()")
+
+    def _group(self):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("scalecom_hook needs torch.distributed initialised (init_process_group)")
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    def _describe(self, param):
+        """``(name, index)`` of a parameter of a bucket."""
+        known = self._params.get(id(param))
+        if known is not None and known[2] is param:
+            return known[0], known[1]
+        if self._named and not self._params:
+            raise ValueError("this ScaleComState was unpickled: call its bind_parameters(model.named_parameters()) "
+                             "before the next step")
+        if self._named:
+            raise ValueError(f"a parameter of shape {tuple(param.shape)} reduced by DDP is not among "
+                             f"ScaleComState's named_parameters: give it the DDP model's parameters")
+        index = len(self._params)
+        self._params[id(param)] = (f"param{index}", index, param)
+        return f"param{index}", index
+
+    def _memory(self, name, grad):
+        memory = self._memories.get(name)
+        if memory is None:
+            memory = torch.zeros(grad.numel(), dtype=clt_k.memory_dtype(grad.dtype), device=grad.device)
+            self._memories[name] = memory
+        elif memory.numel() != grad.numel():
+            raise ValueError(f"the gradient of {name!r} has {grad.numel()} entries, its residue memory "
+                             f"{memory.numel()}: the parameter changed size after training began")
+        return memory
+
+    def _check_agreement(self, group, device):
+        """At the first step (and the first after load_state_dict): one allgather of a digest of this
+        rank's configuration; where they differ, every rank gathers the full summaries and raises the
+        same ValueError naming what differs (``hvd_scalecom.agreement``)."""
+        summary = {**self.config.as_dict(), "step": self.iter, "named_parameters": self._named}
+        if self._named:
+            params = sorted(self._params.values(), key=lambda entry: entry[1])
+            summary["parameter_digest"] = shapes_digest([(n, tuple(p.shape)) for n, _, p in params])
+            summary["parameter_dtypes"] = dtype_names(p.dtype for _, _, p in params)
+        encoded = encode(summary)
+        digest = hashlib.sha256(encoded).digest()[:8]
+        local = torch.tensor([int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")],
+                             dtype=torch.int64, device=device)
+        gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, local, group=group)
+        if any(not torch.equal(g, local) for g in gathered):
+            texts = [None] * len(gathered)
+            dist.all_gather_object(texts, encoded, group=group)
+            check_gathered("ScaleComState", texts, {
+                "parameter_digest": "(parameter_digest covers the names and shapes of named_parameters.)",
+                "parameter_dtypes": DTYPES_HINT, "step": STEPS_HINT})
+        self._agreed = True
+
+    def _record(self, t, **counts):
+        with self._lock:
+            self.traffic.record(t, **counts)
+
+    def _add_time(self, t, seconds, skips=0):
+        with self._lock:
+            self.traffic.add_time(t, seconds)
+            self.nonfinite_skips += skips
+
+
+def scalecom_hook(state, bucket):
+    """DDP communication hook (``ddp_model.register_comm_hook(state, scalecom_hook)``): ScaleCom for
+    the bucket's parameters (see the module's docstring); returns a Future of the bucket's buffer
+    holding the averaged (compressed) gradients."""
+    if not isinstance(state, ScaleComState):
+        raise TypeError(f"scalecom_hook's state must be a ScaleComState, got {type(state).__name__}")
+    try:
+        return _BucketStep(state, bucket).start()
+    except BaseException:
+        state._issuer = None
+        raise
+
+
+class _Issuer:
+    """Issues one step's collectives in a fixed order on every rank: ``submit(seq, launch)`` runs
+    ``launch`` once every ``launch`` of a lower ``seq`` has run, on whichever thread completes the
+    sequence (the hook's, or a collective's callback), never two at once. :meth:`wait_issued` lets
+    the last bucket's hook return only once all of the step's collectives are issued: DDP issues
+    collectives of its own right after it (``find_unused_parameters``, a static graph's first
+    step), which must find ours issued before them on every rank."""
+
+    def __init__(self, t):
+        self.t = t
+        self.buckets = 0  # buckets of this step met so far (the hook meets them in the same order everywhere)
+        self._ready = {}
+        self._next = 0
+        self._running = False
+        self._failed = None
+        self._changed = threading.Condition()
+
+    def submit(self, seq, launch):
+        with self._changed:
+            self._ready[seq] = launch
+            if self._running:
+                return  # the thread running the sequence takes it (a callback run inside a launch, too)
+            self._running = True
+        while True:
+            with self._changed:
+                launch = self._ready.pop(self._next, None)
+                if launch is None:
+                    self._running = False
+                    self._changed.notify_all()
+                    return
+            try:
+                launch()
+            except BaseException as error:
+                self.fail(error)
+                raise
+            with self._changed:
+                self._next += 1
+
+    def fail(self, error):
+        with self._changed:
+            self._running = False
+            self._failed = error
+            self._changed.notify_all()
+
+    def wait_issued(self, count):
+        """Wait until the first ``count`` launches have run (or one failed: its error is raised)."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._next >= count or self._failed is not None)
+            if self._failed is not None:
+                raise self._failed
+
+
+class _Compressed:
+    """One compressed parameter of a bucket: its gradient (a flat view of the bucket's buffer), memory,
+    k, leader, place in the bucket's index buffer, and ``taken`` (``clt_k.Taken``) once step 3 ran."""
+
+    __slots__ = ("name", "grad", "memory", "k", "leader", "offset", "taken")
+
+    def __init__(self, name, grad, memory, k, leader, offset):
+        self.name, self.grad, self.memory, self.k, self.leader, self.offset = name, grad, memory, k, leader, offset
+        self.taken = None
+
+
+class _BucketStep:
+    """ScaleCom for one bucket at one step: :meth:`start` runs in the hook; :meth:`_take` once the
+    indices have arrived; :meth:`_finish` once the values are reduced."""
+
+    def __init__(self, state, bucket):
+        self.state = state
+        self.bucket = bucket
+        self.buffer = bucket.buffer()
+
+    def start(self):
+        state, config = self.state, self.state.config
+        began = time.perf_counter()
+        group = state._group()
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.group = group
+        if not state._agreed:
+            state._check_agreement(group, self.buffer.device)
+        t = self.t = state.iter
+        if state._issuer is None or state._issuer.t != t:
+            state._issuer = _Issuer(t)
+        issuer = self.issuer = state._issuer
+        self.position = issuer.buckets
+        issuer.buckets += 1
+        if self.bucket.is_last():
+            state.iter += 1  # (every earlier bucket of the step has been met: DDP reduces them in order)
+        self.result = torch.futures.Future(devices=[self.buffer.device]) if self.buffer.is_cuda \
+            else torch.futures.Future()
+        self.compressed, self.dense = [], []
+        offset, widest = 0, 0
+        for param, grad in zip(self.bucket.parameters(), self.bucket.gradients()):
+            name, index = state._describe(param)
+            numel = grad.numel()
+            flat = grad.view(-1)
+            if config.is_compressed(numel, t):
+                k = config.num_selected(numel)
+                self.compressed.append(_Compressed(name, flat, state._memory(name, grad), k,
+                                                   config.leader_rank(t, self.size, index), offset))
+                offset, widest = offset + k, max(widest, numel)
+                state._record(t, index_bytes=k * config.index_itemsize(numel),
+                              value_bytes=k * self._value_dtype().itemsize,
+                              uncompressed_bytes=numel * grad.element_size())
+            else:
+                self.dense.append(flat)
+                state._record(t, dense_bytes=numel * grad.element_size(),
+                              uncompressed_bytes=numel * grad.element_size())
+        seq = 2 * self.position
+        if not self.compressed:
+            self.issuer.submit(seq, lambda: None)
+            self._submit_values()
+            state._add_time(t, time.perf_counter() - began)
+            return self._returned()
+        index_dtype = _TORCH_DTYPES["int64" if widest > INT32_INDEX_MAX_NUMEL else config.index_dtype]
+        self.indices = torch.zeros(offset, dtype=index_dtype, device=self.buffer.device)
+        for entry in self.compressed:
+            if entry.leader == self.rank:  # steps 1-3 on the leader
+                chosen, entry.taken = clt_k.select_and_take(entry.memory, entry.grad, entry.k, config.selection,
+                                                            index_dtype=index_dtype)
+                self.indices[entry.offset:entry.offset + entry.k] = chosen
+        state._add_time(t, time.perf_counter() - began)
+        self.issuer.submit(seq, self._launch_indices)
+        return self._returned()
+
+    def _returned(self):
+        """The bucket's future; at the step's last bucket, once every collective of the step is issued."""
+        if self.bucket.is_last():
+            self.issuer.wait_issued(2 * self.issuer.buckets)
+        return self.result
+
+    def _value_dtype(self):
+        return self.state._value_dtype or self.buffer.dtype
+
+    def _launch_indices(self):
+        """Step 2: one collective for the bucket's indices."""
+        if self.state.config.leader == "cyclic":
+            work = dist.broadcast(self.indices, group=self.group, group_src=self.compressed[0].leader, async_op=True)
+        else:  # several leaders: each gives the indices it leads, zeros elsewhere
+            work = dist.all_reduce(self.indices, group=self.group, async_op=True)
+        work.get_future().then(self._guarded(self._take))
+
+    def _guarded(self, step):
+        """``step(future)`` as a callback whose exception fails the bucket's result (DDP raises it)."""
+        def callback(future):
+            try:
+                future.wait()
+                step(future)
+            except BaseException as error:  # (a callback's own error would go unseen)
+                self.issuer.fail(error)
+                if not self.result.done():
+                    self.result.set_exception(error)
+        return callback
+
+    def _take(self, _):
+        """Step 3 on the ranks that did not select: ``p_i[I]``; then the values' allreduce."""
+        began = time.perf_counter()
+        for entry in self.compressed:
+            if entry.taken is None:
+                chosen = self.indices[entry.offset:entry.offset + entry.k].to(torch.int64)
+                entry.taken = clt_k.take_checking(entry.memory, entry.grad, chosen)
+        self.state._add_time(self.t, time.perf_counter() - began)
+        self._submit_values()
+
+    def _submit_values(self):
+        dtype = self._value_dtype()
+        parts = []
+        for entry in self.compressed:
+            sent = entry.taken.values.to(dtype)
+            if not entry.taken.finite:  # every rank then sees a non-finite reduction and keeps its memory
+                sent = torch.full_like(sent, float("nan"))
+            entry.taken = (entry.taken, sent)
+            parts.append(sent)
+        together = dtype == self.buffer.dtype
+        if together:
+            parts += self.dense
+        self.values = torch.cat(parts) if parts else None
+        self.dense_sum = None if together or not self.dense else torch.cat(self.dense)
+        self.issuer.submit(2 * self.position + 1, self._launch_values)
+
+    def _launch_values(self):
+        """Step 3's reduction: one allreduce of the values (and the dense gradients, where they share a
+        dtype), else a second one of the dense gradients."""
+        futures = [dist.all_reduce(tensor, group=self.group, async_op=True).get_future()
+                   for tensor in (self.values, self.dense_sum) if tensor is not None]
+        if not futures:
+            self.result.set_result(self.buffer)
+            return
+        combined = futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)
+        combined.then(self._guarded(self._finish))
+
+    def _finish(self, _):
+        """Steps 4-5: the memory update and the averaged update written into the bucket's buffer."""
+        began = time.perf_counter()
+        beta, skips = self.state.config.beta, 0
+        reduced = self.values.div_(self.size) if self.values is not None else None
+        at = 0
+        for entry in self.compressed:
+            taken, sent = entry.taken
+            chosen = self.indices[entry.offset:entry.offset + entry.k]
+            updated = clt_k.filter_and_scatter_(entry.memory, entry.grad, chosen, reduced[at:at + entry.k],
+                                                taken, sent, beta)
+            skips += not updated
+            at += entry.k
+        dense = reduced[at:] if self.dense_sum is None else self.dense_sum.div_(self.size)
+        at = 0
+        for grad in self.dense:
+            grad.copy_(dense[at:at + grad.numel()])
+            at += grad.numel()
+        self.state._add_time(self.t, time.perf_counter() - began, skips)
+        self.result.set_result(self.buffer)
+
+
+def _check_group(process_group):
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, "
+                        f"got {type(process_group).__name__}")
+    return process_group
+
+
+def _named_parameter_list(named_parameters):
+    usage = "named_parameters must be an iterable of (name, parameter) pairs, such as model.named_parameters()"
+    if isinstance(named_parameters, (str, bytes, torch.Tensor, dict)):
+        raise TypeError(usage)
+    try:
+        pairs = list(named_parameters)
+    except TypeError:
+        raise TypeError(usage) from None
+    if not pairs:
+        raise ValueError("named_parameters is empty")
+    names = set()
+    for pair in pairs:
+        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
+                and isinstance(pair[1], torch.Tensor)):
+            raise TypeError(f"named_parameters must hold (str, torch.Tensor) pairs, got {pair!r:.80}")
+        if pair[0] in names:
+            raise ValueError(f"named_parameters names {pair[0]!r} twice")
+        names.add(pair[0])
+    return pairs
