@@ -66,12 +66,14 @@ Jobs named ``ddp_*`` (keys of ``_slow_link_ddp_worker.HOOKS``: ``ddp_dense``, ``
 with torch's fp16 or PowerSGD hook or ``hvd_scalecom.ddp``'s ScaleCom hook, measured by the same
 code as the Horovod jobs and compared with DDP dense. On per-worker links each rank is ``ip netns
 exec NS python _slow_link_ddp_worker.py`` in its worker's namespace with torch.distributed's
-``env://`` variables (``MASTER_ADDR`` worker 0's address, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK=0``,
-``GLOO_SOCKET_IFNAME=eth0``); on the shared loopback, ``torchrun --standalone`` in the namespace.
+``env://`` variables (``MASTER_ADDR``/``MASTER_PORT`` a store served on the bridge, as torchrun's
+agent serves one, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK=0``, ``GLOO_SOCKET_IFNAME=eth0``; see
+``cluster_links.torch_job``); on the shared loopback, ``torchrun --standalone`` in the namespace.
 Their payload is counted in the torch.distributed calls of the hooks (DDP's own reduction: the fp32
 gradients). PowerSGD's rank is the one whose payload is closest to ScaleCom's at the job's
-``ratio``; its jobs keep the model in one bucket (torch's PowerSGD hook fails on Gloo when the
-reductions of two buckets overlap: docs/ddp.md).
+``ratio`` (it compresses from its third step: give ``--warmup 2`` or more); its jobs keep the model
+in one bucket (torch's PowerSGD hook fails on Gloo when the reductions of two buckets overlap:
+docs/ddp.md).
 """
 
 import argparse
@@ -415,8 +417,8 @@ def _link_text(args, links):
 
 
 def _ddp_text(args):
-    started = ("one process per worker in its namespace, torch.distributed's `env://` rendezvous at worker "
-               "0's address, Gloo on the worker's link" if args.link == "per-worker" else "under torchrun")
+    started = ("one process per worker in its namespace, torch.distributed's `env://` variables with the "
+               "store on the bridge, Gloo on the worker's link" if args.link == "per-worker" else "under torchrun")
     return ("Rows named DDP: `DistributedDataParallel` jobs (Gloo, the same model, batch, steps and "
             f"counters; {started}) with the named communication hook (`hvd_scalecom.ddp` for ScaleCom; "
             "PowerSGD's jobs keep the model in one bucket, its hook failing on Gloo when buckets overlap), "
