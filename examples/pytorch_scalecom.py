@@ -37,9 +37,9 @@ def parse_args(argv=None):
     ap.add_argument("--index-dtype", choices=["int32", "int64"], default="int32")
     ap.add_argument("--pipelined", action="store_true", help="indices selected one step ahead")
     ap.add_argument("--epochs", type=positive_int, default=25)
-    ap.add_argument("--batch-size", type=positive_int, default=32,
+    ap.add_argument("--batch-size", type=positive_int, default=16,
                     help="per worker, at most its shard of the 1,437 training images")
-    ap.add_argument("--lr", type=learning_rate, default=0.05, help="per worker (see --lr-scaling)")
+    ap.add_argument("--lr", type=learning_rate, default=0.0125, help="per worker (see --lr-scaling)")
     ap.add_argument("--lr-scaling", choices=["linear", "sqrt"], default="linear",
                     help="learning rate = lr x workers (linear) or lr x sqrt(workers)")
     ap.add_argument("--momentum", type=momentum_value, default=0.9)

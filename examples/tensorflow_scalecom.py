@@ -51,9 +51,9 @@ def parse_args(argv=None):
     ap.add_argument("--index-exchange", choices=["broadcast", "allreduce", "allgather"], default="broadcast")
     ap.add_argument("--pipelined", action="store_true", help="indices selected one step ahead")
     ap.add_argument("--epochs", type=positive_int, default=25)
-    ap.add_argument("--batch-size", type=positive_int, default=32,
+    ap.add_argument("--batch-size", type=positive_int, default=16,
                     help="per worker, at most its shard of the 1,437 training images")
-    ap.add_argument("--lr", type=learning_rate, default=0.05, help="per worker: learning rate = lr x workers")
+    ap.add_argument("--lr", type=learning_rate, default=0.0125, help="per worker: learning rate = lr x workers")
     ap.add_argument("--momentum", type=momentum_value, default=0.9)
     ap.add_argument("--seed", type=seed_value, default=0)
     ap.add_argument("--eager", action="store_true", help="run the train step eagerly")
