@@ -43,9 +43,9 @@ def parse_args(argv=None):
     ap.add_argument("--powersgd-start", type=positive_int, default=2,
                     help="PowerSGD's start_powerSGD_iter (at least 2 with its error feedback)")
     ap.add_argument("--epochs", type=positive_int, default=25)
-    ap.add_argument("--batch-size", type=positive_int, default=32,
+    ap.add_argument("--batch-size", type=positive_int, default=16,
                     help="per worker, at most its shard of the 1,437 training images")
-    ap.add_argument("--lr", type=learning_rate, default=0.05, help="per worker (x workers)")
+    ap.add_argument("--lr", type=learning_rate, default=0.0125, help="per worker (x workers)")
     ap.add_argument("--momentum", type=momentum_value, default=0.9)
     ap.add_argument("--seed", type=seed_value, default=0)
     ap.add_argument("--result", type=result_path, help="rank 0 writes final figures here as JSON")
