@@ -172,7 +172,7 @@ def _die_with_parent():
 
 
 def horovod_job(namespace, workers, spec, timeout):
-    from hvd_scalecom.launch import horovodrun_command
+    from devtools.launch import horovodrun_command
 
     cmd = ["ip", "netns", "exec", namespace,
            *horovodrun_command([WORKER, json.dumps(spec)], np=workers, controller="gloo")]
