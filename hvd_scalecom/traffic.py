@@ -93,6 +93,16 @@ class StepTraffic:
         """Uncompressed over sent bytes (1.0 for dense)."""
         return self.uncompressed_bytes / self.sent_bytes if self.sent_bytes else 1.0
 
+    def scaled(self, times):
+        """These payloads (and tensors) ``times`` over, in place: one tensor's step counted for
+        ``times`` steps (the seconds are left as they are)."""
+        self.index_bytes *= times
+        self.value_bytes *= times
+        self.dense_bytes *= times
+        self.uncompressed_bytes *= times
+        self.tensors *= times
+        return self
+
     def add(self, other):
         for f in dataclasses.fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))

@@ -55,9 +55,9 @@ class StateAndStatistics:
                     this_step.compress_seconds += float(compute)
                     this_step.index_wait_seconds += float(wait)
             if dense_steps:
-                total.add(scaled(self._step_traffic(slot, None, dense=True), dense_steps))
+                total.add(self._step_traffic(slot, None, dense=True).scaled(dense_steps))
             if compressed_steps:
-                total.add(scaled(self._step_traffic(slot, None, dense=False), compressed_steps))
+                total.add(self._step_traffic(slot, None, dense=False).scaled(compressed_steps))
                 total.index_bytes += fresh_count * self._index_bytes(slot)
             total.compress_seconds += float(timing[TIMING_STEPS, 0])
             total.index_wait_seconds += float(timing[TIMING_STEPS, 1])
@@ -150,7 +150,7 @@ class StateAndStatistics:
         self._in_flight.clear()
 
 
-class _SavedConfiguration(Trackable):
+class SavedConfiguration(Trackable):
     """ScaleCom's configuration and variables' dtypes and shapes in a ``tf.train.Checkpoint``: a
     restore into a ScaleCom built otherwise raises ValueError (as ``load_state_dict`` does), where
     memories would otherwise go, matched by position, to other variables or into other equations."""
@@ -174,12 +174,3 @@ class _SavedConfiguration(Trackable):
         if on_restore is not None:
             on_restore()
         return tf.no_op()
-
-
-def scaled(traffic, times):
-    traffic.index_bytes *= times
-    traffic.value_bytes *= times
-    traffic.dense_bytes *= times
-    traffic.uncompressed_bytes *= times
-    traffic.tensors *= times
-    return traffic

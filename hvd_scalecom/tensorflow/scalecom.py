@@ -31,7 +31,7 @@ from hvd_scalecom.tensorflow import clt_k
 from hvd_scalecom.tensorflow.gradient_matching import GradientMatching
 from hvd_scalecom.tensorflow.graph import graph_of, stamp
 from hvd_scalecom.tensorflow.index_exchange import MODES as INDEX_EXCHANGES, IndexExchangeGraph
-from hvd_scalecom.tensorflow.saved_state import TIMING_STEPS, StateAndStatistics, _SavedConfiguration
+from hvd_scalecom.tensorflow.saved_state import TIMING_STEPS, StateAndStatistics, SavedConfiguration
 from hvd_scalecom.tensorflow.variables import dtype_text, variable_specs
 
 _instances = itertools.count()
@@ -153,7 +153,7 @@ class ScaleCom(IndexExchangeGraph, GradientMatching, StateAndStatistics, tf.Modu
         # before the variables', which a restore into another configuration then leaves unchanged),
         # memories of compressible variables, every step counter, the statistics' tallies (a restore
         # then rolls them back with the steps).
-        self.configuration = _SavedConfiguration(
+        self.configuration = SavedConfiguration(
             {**config.as_dict(), "variables": [[s.dtype.name, list(s.shape)] for s in slots]}, self._forget_step)
         self.memories = [s.memory for s in slots if s.compressible]
         self.steps = [s.step for s in slots]

@@ -58,27 +58,11 @@ def select_top_k(p, k, selection="exact"):
     """Step 2: flat indices of the ``k`` largest ``|p|`` (int64, in no particular order).
 
     ``"exact"`` is ``torch.topk`` of ``|p|``. ``"threshold"`` returns the same set (ties at the k-th
-    magnitude aside) without a full top-k and (but on CUDA) without materialising ``|p|``:
-
-    1. a threshold ``t`` a little below the k-th largest magnitude, from a fixed low-discrepancy
-       sample of ``p`` (512 to 65,536 gathered entries, see :func:`_sample_plan`), set so that
-       fewer than k entries reach it with probability about 3e-5 when the sampled values are
-       independent (values clustered at the sample's positions make the fallback below more
-       frequent, never the result inexact);
-    2. ``p`` seen as an ``(8, numel / 8)`` grid: the largest ``|p|`` of each column from one
-       column-wise ``amax`` and one ``amin`` (read-only passes), and the columns reaching ``t``;
-    3. the entries of those columns with ``|p| >= t`` are the candidates, a superset of the top k
-       whenever there are at least k of them; ``torch.topk`` among the candidates picks the k.
-
-    If fewer than k entries reach ``t`` (or ``t`` is 0, e.g. mostly zeros), it falls back to
-    ``"exact"``, so the result is always an exact top-k. Ratios above 1/16 and small tensors (below
-    65,536 entries with torch operations, 1,024 in C, 2^22 on CUDA, where kernel launches and host
-    reads dominate) use ``"exact"`` directly. NaN entries are
-    never selected by ``"threshold"``'s own pass (``torch.topk``, in ``"exact"`` and in the
-    fallback, ranks them first). On contiguous fp32 CPU
-    tensors steps 2-3 are one read-only pass in C that collects the candidates in index order (the
-    k returned ascending; ties at the k-th magnitude go to the lowest indices); on CUDA step 2 is
-    one mask of ``|p| >= t`` and its ``nonzero`` (:func:`_at_least_masked`).
+    magnitude aside) by the rule of :mod:`hvd_scalecom.selection_rule`: a sampled threshold a little
+    below the k-th largest magnitude, the entries reaching it as candidates (found through an
+    ``(8, numel / 8)`` column pre-filter, :mod:`hvd_scalecom.torch.threshold_select`; in C on
+    contiguous fp32 CPU tensors), and ``torch.topk`` among them; an exact top-k where fewer than k
+    reach it. Small tensors and ratios above 1/16 take ``"exact"`` directly.
     """
     numel = p.numel()
     if selection not in ("exact", "threshold"):
