@@ -18,7 +18,7 @@ import time
 import torch
 
 from benchmarks.convergence_tasks import digits_mlp, digits_split
-from hvd_scalecom.launch import run, split_by_rank
+from devtools.launch import run, split_by_rank
 from hvd_scalecom.sim import Dense, ScaleCom, Simulator, per_worker_gradients
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

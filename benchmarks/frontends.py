@@ -22,7 +22,7 @@ import tempfile
 import time
 
 from benchmarks._report import NON_NEGATIVE, command_line, output_file, output_path, write_text
-from hvd_scalecom.launch import run
+from devtools.launch import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = {"pytorch": "pytorch_scalecom.py", "tensorflow": "tensorflow_scalecom.py"}

@@ -23,7 +23,7 @@ import torch
 
 from benchmarks import kernels
 from benchmarks._report import COUNT, NON_NEGATIVE, command_line, cpu, output_file, output_path, replace_section
-from hvd_scalecom.launch import run
+from devtools.launch import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "benchmarks", "_per_tensor_worker.py")

@@ -59,7 +59,7 @@ def namespaces_usable():
 
 def run_job(ranks, spec, namespace, timeout):
     """The job's rank-0 RESULT dict; raises HorovodRunError (with each rank's output) on failure."""
-    from hvd_scalecom.launch import horovodrun_command, run_command
+    from devtools.launch import horovodrun_command, run_command
 
     cmd = horovodrun_command([WORKER, json.dumps(spec)], np=ranks, start_timeout=max(120, 6 * ranks))
     if namespace:

@@ -21,7 +21,7 @@ import torch
 
 from benchmarks._report import command_line, cpu, interleaved, output_file, output_path, write_text
 from hvd_scalecom.config import ScaleComConfig
-from hvd_scalecom.launch import run
+from devtools.launch import run
 from hvd_scalecom.torch import ScaleCom, clt_k
 
 # the index exchange the example's ScaleCom jobs use: the compressor's default

@@ -25,7 +25,7 @@ from benchmarks._report import COUNT, command_line, output_file, output_path, re
 from benchmarks._slow_link_worker import make_model
 from benchmarks.slow_link import DEFAULT_JOBS, DEFAULT_WIDTHS
 from hvd_scalecom import native
-from hvd_scalecom.baseline_config import SketchedSGDConfig
+from hvd_scalecom.sketched_qsparse_config import SketchedSGDConfig
 from hvd_scalecom.torch.sketch import CountSketch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

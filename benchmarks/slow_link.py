@@ -199,7 +199,7 @@ def run_job(network, workers, spec, timeout):
         if not rows:
             raise JobFailed(f"{_what(spec, workers)}: rank 0 printed no result:\n{outputs[0][-6000:]}")
         return rows[0]
-    from hvd_scalecom.launch import horovodrun_command
+    from devtools.launch import horovodrun_command
 
     if ddp:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(workers),

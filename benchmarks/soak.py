@@ -42,7 +42,7 @@ import time
 import numpy as np
 
 from benchmarks import _report
-from hvd_scalecom.launch import run
+from devtools.launch import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "benchmarks", "_soak_worker.py")

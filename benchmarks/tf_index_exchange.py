@@ -23,7 +23,7 @@ import sys
 import tempfile
 
 from benchmarks._report import COUNT, command_line, output_file, output_path, write_text
-from hvd_scalecom.launch import run
+from devtools.launch import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "tensorflow_scalecom.py")

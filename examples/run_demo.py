@@ -7,7 +7,8 @@ import subprocess
 import sys
 import tempfile
 
-from hvd_scalecom.launch import horovodrun_command, split_by_rank
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # devtools
+from devtools.launch import horovodrun_command, split_by_rank  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OWN_OUTPUTS = ("--result", "--checkpoint", "--resume", "--tensorboard")  # per job: not passed on

@@ -2,7 +2,7 @@
 
 Each rank describes its configuration as a JSON-able dict (a *summary*: the scheme's arguments plus
 digests of its tensors' shapes); a frontend's transport gathers every rank's encoded summary
-(``hvd_scalecom.torch.common.check_agreement``, ``hvd_scalecom.tensorflow.compressor``), and
+(``hvd_scalecom.torch.collectives.check_agreement``, ``hvd_scalecom.tensorflow.scalecom``), and
 :func:`check_gathered` raises the same ValueError on every rank when they differ. Ranks that
 disagree on k or on the tensor list would otherwise hang in a collective or diverge silently.
 """

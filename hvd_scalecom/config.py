@@ -166,7 +166,9 @@ class ScaleComConfig:
         return "int64" if numel > INT32_INDEX_MAX_NUMEL else self.index_dtype
 
     def index_itemsize(self, numel):
-        return 4 if self.index_dtype_for(numel) == "int32" else 8
+        """Bytes of one index of a tensor of ``numel`` entries."""
+        from hvd_scalecom.traffic import itemsize  # (traffic imports this module)
+        return itemsize(self.index_dtype_for(numel))
 
 
 def check_dtype_name(name, argument, allowed):

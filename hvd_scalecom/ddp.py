@@ -39,9 +39,9 @@ import torch.distributed as dist
 
 from hvd_scalecom.agreement import DTYPES_HINT, STEPS_HINT, check_gathered, dtype_names, encode, shapes_digest
 from hvd_scalecom.config import INDEX_DTYPES, INT32_INDEX_MAX_NUMEL, VALUE_DTYPES, ScaleComConfig, check_dtype_name
-from hvd_scalecom.state import checked_params
+from hvd_scalecom.state_checks import checked_params
 from hvd_scalecom.torch import clt_k
-from hvd_scalecom.torch.common import as_memory_of, check_state_entry
+from hvd_scalecom.torch.saved_state import as_memory_of, check_state_entry
 from hvd_scalecom.traffic import TrafficMeter
 
 __all__ = ["ScaleComState", "scalecom_hook"]

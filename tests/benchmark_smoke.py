@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from hvd_scalecom.launch import communicate_or_stop
+from devtools.launch import communicate_or_stop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

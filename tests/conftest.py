@@ -1,4 +1,4 @@
-"""Shared fixtures: every multi-process test starts Horovod through ``hvd_scalecom.launch.run``."""
+"""Shared fixtures: every multi-process test starts Horovod through ``devtools.launch.run``."""
 
 import json
 import os
@@ -9,6 +9,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # tests/reference.py
+sys.path.insert(1, os.path.dirname(HERE))  # devtools (the repository's tools, not installed)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
@@ -16,7 +17,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def horovod_job(tmp_path):
     """``horovod_job(worker, opts, np=2, controller="gloo", env=None)`` runs ``tests/workers/<worker>``
     under horovodrun and returns ``(per-rank npz dicts, output)``."""
-    from hvd_scalecom.launch import run
+    from devtools.launch import run
 
     def launch(worker, opts=None, np=2, controller="gloo", env=None, timeout=300, out_dir=None):
         out_dir = str(out_dir or tmp_path)

@@ -7,7 +7,7 @@ import pytest
 
 from hvd_scalecom import agreement
 from hvd_scalecom.config import ScaleComConfig
-from hvd_scalecom.state import check_size, checked_params
+from hvd_scalecom.state_checks import check_size, checked_params
 
 
 def test_equal_summaries_pass_whatever_the_key_order():
@@ -75,14 +75,14 @@ def test_next_indices_may_be_a_torch_tensor():
     """As ScaleCom.state_dict() saves them (on the parameter's device; moved to the CPU to check)."""
     import torch
 
-    from hvd_scalecom.state import check_next_indices
+    from hvd_scalecom.state_checks import check_next_indices
     step, indices = check_next_indices("w", (3, torch.tensor([4, 1, 7])), 3, 10, True)
     assert step == 3 and indices.tolist() == [4, 1, 7]
 
 
 def test_next_indices_step_must_fit_the_step_counters():
     """A step past int64 was accepted and failed later, in TensorFlow after some variables had changed."""
-    from hvd_scalecom.state import check_next_indices
+    from hvd_scalecom.state_checks import check_next_indices
     for step in (-1, 2**63, 2**64, 1.0, True):
         with pytest.raises(ValueError, match=r"next_indices of 'w': step must be an int in \[0, 2\*\*63\)"):
             check_next_indices("w", (step, np.array([4, 1, 7])), 3, 10, True)
@@ -92,7 +92,7 @@ def test_next_indices_step_must_fit_the_step_counters():
 def test_next_indices_must_be_for_the_entry_s_step():
     """Saved for the step that comes next; a rank holding some for another step exchanged fresh indices
     while the others used theirs (a hang at 2 ranks)."""
-    from hvd_scalecom.state import check_next_indices
+    from hvd_scalecom.state_checks import check_next_indices
     with pytest.raises(ValueError, match=r"next_indices of 'w' are for step 4, but its step counter is 3"):
         check_next_indices("w", (4, np.array([4, 1, 7])), 3, 10, True, entry_step=3)
     assert check_next_indices("w", (3, np.array([4, 1, 7])), 3, 10, True, entry_step=3)[0] == 3
@@ -134,7 +134,7 @@ def test_wire_bytes_refuse_a_worker_count_below_one_and_bytes_below_zero():
 def test_stall_settings_are_read_as_horovod_reads_them(monkeypatch, env, expected):
     """Integers; the check is off only for HOROVOD_STALL_CHECK_DISABLE above 0 (Horovod's strtol), and a
     warning interval of 0 or less means no warnings (not one at every poll)."""
-    from hvd_scalecom.torch.common import stall_times
+    from hvd_scalecom.torch.collectives import stall_times
     for variable in ("HOROVOD_STALL_CHECK_DISABLE", "HOROVOD_STALL_CHECK_TIME_SECONDS",
                      "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"):
         monkeypatch.delenv(variable, raising=False)
@@ -146,7 +146,7 @@ def test_stall_settings_are_read_as_horovod_reads_them(monkeypatch, env, expecte
 
 @pytest.mark.parametrize("variable", ["HOROVOD_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"])
 def test_a_stall_setting_that_is_not_an_integer_is_named(monkeypatch, variable):
-    from hvd_scalecom.torch.common import stall_times
+    from hvd_scalecom.torch.collectives import stall_times
     monkeypatch.setenv(variable, "1m")
     with pytest.raises(ValueError, match=f"{variable} must be an integer number of seconds"):
         stall_times()

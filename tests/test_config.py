@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from hvd_scalecom.baseline_config import QsparseConfig, SketchedSGDConfig
+from hvd_scalecom.sketched_qsparse_config import QsparseConfig, SketchedSGDConfig
 from hvd_scalecom.config import ScaleComConfig
 from hvd_scalecom.sim import ScaleCom as SimScaleCom
 from hvd_scalecom.sim import Simulator

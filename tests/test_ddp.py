@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hvd_scalecom.ddp import ScaleComState, scalecom_hook
-from hvd_scalecom.launch import run, run_command
+from devtools.launch import run, run_command
 from reference import scalecom_reference, selected_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from hvd_scalecom.launch import run
+from devtools.launch import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "pytorch_scalecom.py")
@@ -37,7 +37,7 @@ def test_resume_from_checkpoint_matches_an_uninterrupted_run(tmp_path):
     name = "0.weight"
     assert memories[0][name]["step"] == memories[1][name]["step"] == straight["steps"]
     assert not torch.equal(memories[0][name]["memory"], memories[1][name]["memory"])
-    from hvd_scalecom.launch import HorovodRunError  # another --compression would drop the memories
+    from devtools.launch import HorovodRunError  # another --compression would drop the memories
     with pytest.raises(HorovodRunError, match="--compression dense: the checkpoint in .* was trained "
                                               "with --compression scalecom; resume with that"):
         _train(tmp_path, "other", "--epochs", "4", "--checkpoint", str(ckpt), "--resume", "--compression", "dense")
@@ -47,7 +47,7 @@ def test_resume_from_checkpoint_matches_an_uninterrupted_run(tmp_path):
 def test_resume_with_other_optimizer_arguments_is_refused(example, tmp_path):
     """The checkpoint restores the optimizer with its learning rate and momentum: a resume given
     others would silently train with the checkpoint's, so it is refused, naming both values."""
-    from hvd_scalecom.launch import HorovodRunError
+    from devtools.launch import HorovodRunError
     ckpt = tmp_path / "ckpt"
     common = [os.path.join(ROOT, "examples", example), "--compression", "dense", "--batch-size", "256",
               "--checkpoint", str(ckpt)]

@@ -14,7 +14,7 @@ import torch
 from hvd_scalecom import traffic
 from hvd_scalecom.sim import (FP16, Dense, GlobalTopK, GTopK, LocalTopK, PowerSGD, QsparseLocalSGD,
                               RandomK, ScaleCom, Simulator, SketchedSGD)
-from hvd_scalecom.sim.traffic import Collective
+from hvd_scalecom.traffic import Collective
 
 SHAPES = {"w": (6, 5), "b": (4,)}
 MIN_NUMEL = 10

@@ -113,7 +113,7 @@ STRAIGHT = {"ratio": 0.05, "beta": 0.3, "warmup_steps": 2, "min_numel": 600, "mo
 
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory):
-    from hvd_scalecom.launch import run
+    from devtools.launch import run
     out_dir = tmp_path_factory.mktemp("straight")
     opts = {**STRAIGHT, "checkpoint_at": 5, "state_round_trip": True, "tensorboard": True}
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "tf_scalecom.py")
@@ -755,6 +755,16 @@ def tf_modules():
     return tf, ScaleCom
 
 
+def test_a_misspelt_selection_is_refused_at_every_size():
+    """TensorFlow's select_top_k checks ``selection`` before any size decides the path: a misspelt
+    value is a ValueError for small tensors (which take the exact top-k) and for k >= numel too."""
+    tf = pytest.importorskip("tensorflow")
+    from hvd_scalecom.tensorflow import clt_k
+    for numel, k in [(100, 5), (3, 5), (1 << 17, 50)]:
+        with pytest.raises(ValueError, match="selection must be one of .* got 'threshhold'"):
+            clt_k.select_top_k(tf.zeros([numel]), k, "threshhold")
+
+
 def test_bad_arguments_name_the_argument(tf_modules):
     tf, ScaleCom = tf_modules
     ok = [tf.Variable(tf.zeros([40, 30])), tf.Variable(tf.zeros([5]))]
@@ -1068,7 +1078,7 @@ def test_example_checkpoint_resume_continues_identically(tmp_path):
     """examples/tensorflow_scalecom.py: 2 epochs straight equal 1 epoch, --checkpoint, then --resume
     in new processes for the second (per-rank ScaleCom memories, model and optimizer restored, and,
     pipelined, the indices chosen for the first step after the checkpoint)."""
-    from hvd_scalecom.launch import run
+    from devtools.launch import run
     example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
                            "tensorflow_scalecom.py")
     common = ["--compression", "scalecom", "--ratio", "0.01", "--beta", "0.5", "--warmup-steps", "3",
@@ -1091,7 +1101,7 @@ def test_example_checkpoint_resume_continues_identically(tmp_path):
     assert resumed["weights_l2"] == pytest.approx(straight["weights_l2"], rel=1e-6)
     assert resumed["accuracy"] == straight["accuracy"]
     assert resumed["loss"] != pytest.approx(first["loss"], rel=1e-3)  # it did train on
-    from hvd_scalecom.launch import HorovodRunError  # another --compression would drop the memories
+    from devtools.launch import HorovodRunError  # another --compression would drop the memories
     with pytest.raises(HorovodRunError, match="--compression fp16: the checkpoint in .* was trained "
                                               "with --compression scalecom; resume with that"):
         result("other", "--epochs", "3", "--checkpoint", str(tmp_path / "ckpt"), "--resume", "--compression", "fp16")

@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-from hvd_scalecom import launch
+from devtools import launch
 from hvd_scalecom.monitor import residue_norm
-from hvd_scalecom.timeline import read_operations
+from devtools.timeline import read_operations
 
 EVENTS = [
     {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "allreduce.x0"}},

@@ -17,7 +17,7 @@ def model():
 def failed_job(horovod_job, opts, np=2, env=None):
     """The report of a ``torch_scalecom.py`` job that must end with an error of its own, not the
     launcher's timeout."""
-    from hvd_scalecom.launch import HorovodRunError
+    from devtools.launch import HorovodRunError
     with pytest.raises(HorovodRunError) as failure:
         horovod_job("torch_scalecom.py", opts, np=np, timeout=120, env=env)
     report = str(failure.value)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from hvd_scalecom.launch import HorovodRunError, run_command
+from devtools.launch import HorovodRunError, run_command
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 K = {"hidden.weight": 154, "out.weight": 32}  # ceil(0.05 * numel) for the worker's model
@@ -340,7 +340,7 @@ def test_join_leave_failure_and_join_again(tmp_path):
     # What Horovod moved in the last world (steps 10-11 at size 3), as rank 0 recorded it: the resync
     # broadcast and the agreement check from all three ranks, then per step and tensor k values, and
     # k int32 indices from the leaders of steps 10 (rank 1) and 11 (rank 2, B).
-    from hvd_scalecom.timeline import read_operations
+    from devtools.timeline import read_operations
 
     submitters = timeline_submitters(timeline)
     assert submitters["broadcast.scalecom.resync"] == submitters["allgather.scalecom.agreement"] == {0, 1, 2}

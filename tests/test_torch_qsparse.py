@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from hvd_scalecom.launch import HorovodRunError
+from devtools.launch import HorovodRunError
 from hvd_scalecom.sim import QsparseLocalSGD as SimQsparse
 from hvd_scalecom.sim import Simulator
 from hvd_scalecom.torch.qsparse_steps import compress_delta, decode, encode, mean_of_sparse
@@ -166,7 +166,7 @@ def rank_sections(report):
 def test_qsgd_three_ranks_match_the_simulator_and_the_timeline(request, tmp_path_factory):
     """np=3, QSGD-TopK with s = 256, H = 3, 7 steps (two synchronisations and a local step after);
     the weights are compressed, the biases averaged densely."""
-    from hvd_scalecom.timeline import read_operations
+    from devtools.timeline import read_operations
 
     opts = QSGD_OPTS
     job = shared_job("np3", request, tmp_path_factory)
@@ -476,7 +476,7 @@ def test_bad_arguments(kwargs, error, argument):
 def test_a_bad_index_dtype_gets_scalecoms_error(index_dtype):
     """index_dtype is read as ScaleCom reads it: a bad one is refused with ScaleCom's message, naming the
     value as given (a NumPy type was named as "int32'>", torch.float32 as 'float32')."""
-    from hvd_scalecom.baseline_config import QsparseConfig
+    from hvd_scalecom.sketched_qsparse_config import QsparseConfig
     from hvd_scalecom.torch import QsparseLocalSGD, ScaleCom
 
     model, optimizer = small_setup()

@@ -131,7 +131,7 @@ def test_hvd_allreduce_called_directly(horovod_job, kernels):
 def test_horovod_moves_k_values_and_k_indices(horovod_job, tmp_path, exchange):
     """What Horovod really moved, read from its timeline, not from stats() (and the first step's
     compress_seconds leave out the configuration check's wait for a rank that starts late)."""
-    from hvd_scalecom.timeline import read_operations
+    from devtools.timeline import read_operations
 
     timeline = tmp_path / "timeline.json"
     opts = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 4, "index_exchange": exchange,

@@ -6,7 +6,7 @@ with a clear error within a time limit; none may hang."""
 import numpy as np
 import pytest
 
-from hvd_scalecom.launch import HorovodRunError
+from devtools.launch import HorovodRunError
 from test_torch_scalecom import NAMES, check_against_reference, check_identical_weights
 
 # Horovod's stall settings, which ScaleCom follows too: a wait for indices that never come ends the job.

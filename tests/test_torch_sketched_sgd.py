@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from hvd_scalecom.launch import HorovodRunError, run
+from devtools.launch import HorovodRunError, run
 from hvd_scalecom.sim import Simulator
 from hvd_scalecom.sim import SketchedSGD as SimSketchedSGD
 from hvd_scalecom.torch.sketch import CountSketch
@@ -259,7 +259,7 @@ def check_identical_weights(results):
 def test_three_ranks_match_the_simulator_and_move_the_sketch(request, tmp_path_factory):
     """np=3, one dense warm-up step, rank 1 without an out.weight gradient on odd steps (Horovod
     compresses it late in synchronize(), so rank 1 completes its sketch in another order)."""
-    from hvd_scalecom.timeline import read_operations
+    from devtools.timeline import read_operations
 
     steps, warmup = 5, 1
     opts = THREE_RANKS
@@ -515,7 +515,7 @@ def test_two_instances_stepped_after_one_backward_with_their_own_names(request, 
     that is currently being processed"), on every step but the first. With name= each posts its own;
     at ratio 1 every coordinate is applied (momentum 0), so the weights follow plain
     hvd.DistributedOptimizer's exactly."""
-    from hvd_scalecom.timeline import read_operations
+    from devtools.timeline import read_operations
 
     job = shared_job("np2_second", request, tmp_path_factory)
     results = completed(job, "sketched_two_instances", 2)
@@ -697,7 +697,7 @@ def test_candidates_are_one_list_on_every_path(seed):
     C selection and ``torch.topk`` gave their lists in different orders, and for seeds 1, 7 and 18
     kept different tied coordinates)."""
     from hvd_scalecom import native
-    from hvd_scalecom.baseline_config import SketchedSGDConfig
+    from hvd_scalecom.sketched_qsparse_config import SketchedSGDConfig
     from hvd_scalecom.torch.sketched_steps import heavy_candidates
 
     config = SketchedSGDConfig()

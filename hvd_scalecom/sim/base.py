@@ -2,7 +2,7 @@
 
 A scheme sees one step of all ``n`` workers at once: for every parameter an ``(n, numel)`` tensor whose
 row i is worker i's flat gradient. It returns, per parameter, the flat update every worker applies,
-a :class:`~hvd_scalecom.sim.traffic.StepRecord` of the collectives it would issue, and diagnostics.
+a :class:`~hvd_scalecom.traffic.StepRecord` of the collectives it would issue, and diagnostics.
 Its state (residue memories and the like) is per worker, one row each, in ``state[name][key]``.
 
 ``kind`` says what the update is:
@@ -18,7 +18,7 @@ import dataclasses
 import torch
 
 from hvd_scalecom.config import ScaleComConfig
-from hvd_scalecom.sim.traffic import StepRecord
+from hvd_scalecom.traffic import StepRecord
 from hvd_scalecom.torch import clt_k
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

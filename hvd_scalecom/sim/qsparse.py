@@ -24,7 +24,7 @@ averaged densely in fp32 at each synchronisation.
 
 Steps 1-4 are those of :mod:`hvd_scalecom.torch.qsparse_steps` (each worker's ``c_i`` through the wire
 form and back, as on Horovod) and the settings are checked by
-:class:`hvd_scalecom.baseline_config.QsparseConfig`, both shared with
+:class:`hvd_scalecom.sketched_qsparse_config.QsparseConfig`, both shared with
 :class:`hvd_scalecom.torch.QsparseLocalSGD`.
 """
 
@@ -32,10 +32,10 @@ import math
 
 import torch
 
-from hvd_scalecom.baseline_config import QSPARSE_OPERATORS, QsparseConfig
+from hvd_scalecom.sketched_qsparse_config import QSPARSE_OPERATORS, QsparseConfig
 from hvd_scalecom.config import ScaleComConfig, check_real
 from hvd_scalecom.sim.base import Scheme
-from hvd_scalecom.sim.traffic import StepRecord
+from hvd_scalecom.traffic import StepRecord
 from hvd_scalecom.torch import clt_k
 from hvd_scalecom.torch.qsparse_steps import check_generator_state, compress_delta, mean_of_sparse, memory_kept
 

@@ -13,8 +13,8 @@ import torch
 
 from hvd_scalecom.config import check_int
 from hvd_scalecom.sim.base import Scheme, TensorSpec
-from hvd_scalecom.sim.traffic import ITEMSIZE, StepRecord, dtype_name
-from hvd_scalecom.torch.common import named_parameter_list
+from hvd_scalecom.traffic import ITEMSIZE, StepRecord, dtype_name
+from hvd_scalecom.torch.parameters import named_parameter_list
 
 _SUMMED = ("index_bytes", "value_bytes", "dense_bytes", "payload_bytes", "sent_index_bytes",
            "sent_value_bytes", "sent_dense_bytes", "sent_bytes", "uncompressed_bytes",
@@ -55,7 +55,7 @@ class StepResult:
 
     update: one tensor per parameter (its shape). For ``kind == "gradient"`` the aggregated gradient
         every worker's optimizer applies; for ``kind == "model"`` the change of the shared model.
-    traffic: the step's collectives and bytes (:class:`hvd_scalecom.sim.traffic.StepRecord`).
+    traffic: the step's collectives and bytes (:class:`hvd_scalecom.traffic.StepRecord`).
     diagnostics: scheme-specific figures, e.g. ``residue_norm``, ``overlap`` (ScaleCom).
     model: for ``kind == "model"``, the shared model after the step (one tensor per parameter, in
         the scheme's dtype: fp32 at least); None otherwise.

@@ -30,7 +30,7 @@ Horovod compressor's ``stats()`` adds a one-entry probe per sketched tensor, whi
 compress/decompress contract makes it send (an entry of the gradient's wire dtype each), not counted here.
 
 The equations are those of :mod:`hvd_scalecom.torch.sketched_steps` and the settings are checked and
-derived (which tensors are sketched, k, c, P k) by :class:`hvd_scalecom.baseline_config.SketchedSGDConfig`,
+derived (which tensors are sketched, k, c, P k) by :class:`hvd_scalecom.sketched_qsparse_config.SketchedSGDConfig`,
 both shared with the Horovod compressor :class:`hvd_scalecom.torch.SketchedSGD`.
 """
 
@@ -38,12 +38,12 @@ import functools
 
 import torch
 
-from hvd_scalecom.baseline_config import SketchedSGDConfig
+from hvd_scalecom.sketched_qsparse_config import SketchedSGDConfig
 from hvd_scalecom.config import ScaleComConfig
 from hvd_scalecom.sim.base import Scheme, mean_over_workers, public
-from hvd_scalecom.sim.traffic import StepRecord
+from hvd_scalecom.traffic import StepRecord
 from hvd_scalecom.torch import clt_k
-from hvd_scalecom.torch.common import wire_dtype
+from hvd_scalecom.torch.dtypes import wire_dtype
 from hvd_scalecom.torch.sketch import CountSketch
 from hvd_scalecom.torch.sketched_steps import (accumulate_, applied_update, heavy_candidates, momentum_,
                                                reset_nonfinite_, select_applied, skip_nonfinite_, vector_dtype,
@@ -111,7 +111,7 @@ class SketchedSGD(Scheme):
             if t < self.config.warmup_steps:  # dense momentum SGD, nothing accumulated in v
                 # Horovod reduces u whole, in the sketched gradients' wire dtypes promoted (fp16 and
                 # fp32 matrices: all as fp32); counted in their own dtypes promoted (bf16 as bf16, as
-                # everywhere here: see hvd_scalecom.sim.traffic)
+                # everywhere here: see hvd_scalecom.traffic)
                 dtypes = [spec.dtype for spec in self.sketched]
                 counted = functools.reduce(torch.promote_types, dtypes)
                 wire = warmup_wire_dtype(dtypes)

@@ -27,7 +27,7 @@ def log_stats(writer, compression, step):
 
 def __getattr__(name):
     if name == "ScaleCom":
-        from hvd_scalecom.tensorflow.compressor import ScaleCom
+        from hvd_scalecom.tensorflow.scalecom import ScaleCom
         return ScaleCom
     if name in __all__:
         from hvd_scalecom.tensorflow import keras as keras_helpers

@@ -17,9 +17,8 @@ import math
 
 import tensorflow as tf
 
-# Tensors smaller than this always take the exact top-k (the sampled threshold does not pay off).
-THRESHOLD_MIN_NUMEL = 65536
-_THRESHOLD_SAMPLE = 16384
+from hvd_scalecom import selection_rule
+from hvd_scalecom.config import SELECTIONS
 
 
 def memory_dtype(grad_dtype):
@@ -44,33 +43,34 @@ def selection_source(memory, grad, finite):
 def select_top_k(p, k, selection="exact", index_dtype=tf.int32):
     """Step 2: flat indices (``index_dtype``, shape ``[k]``) of the ``k`` largest ``|p|``, unordered.
 
-    ``"threshold"`` finds the same set as ``"exact"`` (ties aside): it estimates the k-th largest
-    magnitude from a strided sample, keeps the entries at or above a slightly lower threshold and runs
-    the exact top-k on those candidates only; if too few entries pass, it falls back to the exact one.
+    ``"threshold"`` finds the same set as ``"exact"`` (ties aside) by the rule of
+    :mod:`hvd_scalecom.selection_rule`: the threshold is a sampled magnitude a little below the k-th
+    largest, and the exact top-k runs on the entries reaching it; if fewer than k do (or it is 0),
+    on the whole tensor.
     """
+    if selection not in SELECTIONS:
+        raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
     numel = int(p.shape[0])
     if k >= numel:
         return tf.range(numel, dtype=index_dtype)
     magnitude = tf.abs(p)
-    if selection == "exact" or numel < THRESHOLD_MIN_NUMEL:
-        return tf.math.top_k(magnitude, k, sorted=False, index_type=index_dtype).indices
-    if selection != "threshold":
-        raise ValueError(f"selection must be 'exact' or 'threshold', got {selection!r}")
-    stride = numel // _THRESHOLD_SAMPLE
-    sample = magnitude[::stride]
-    sample_size = int(sample.shape[0])
-    want = min(sample_size, max(1, math.ceil(1.3 * k * sample_size / numel) + 2))
-    threshold = tf.reduce_min(tf.math.top_k(sample, want, sorted=False).values)
-    candidates = tf.cast(tf.reshape(tf.where(magnitude >= threshold), [-1]), index_dtype)
 
     def exact():
         return tf.math.top_k(magnitude, k, sorted=False, index_type=index_dtype).indices
+
+    size, rank = selection_rule.sample_plan(numel, k)
+    if selection == "exact" or not selection_rule.thresholded(numel, k) or rank >= size:
+        return exact()
+    sample = tf.gather(magnitude, tf.constant(selection_rule.sample_positions(numel, size)))
+    threshold = tf.reduce_min(tf.math.top_k(sample, rank, sorted=False).values)  # the rank-th largest
+    candidates = tf.cast(tf.reshape(tf.where(magnitude >= threshold), [-1]), index_dtype)
 
     def among_candidates():
         best = tf.math.top_k(tf.gather(magnitude, candidates), k, sorted=False, index_type=index_dtype)
         return tf.gather(candidates, best.indices)
 
-    indices = tf.cond(tf.size(candidates) < k, exact, among_candidates)
+    too_few = tf.logical_or(tf.size(candidates) < k, tf.logical_not(threshold > 0))
+    indices = tf.cond(too_few, exact, among_candidates)
     return tf.ensure_shape(indices, [k])
 
 

@@ -21,7 +21,7 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 
 from hvd_scalecom.config import check_int
-from hvd_scalecom.tensorflow.compressor import ScaleCom
+from hvd_scalecom.tensorflow.scalecom import ScaleCom
 
 __all__ = ["gradient_sources", "make_train_step", "DistributedOptimizer", "BroadcastInitialState",
            "LogStats"]

@@ -21,7 +21,7 @@ def log_stats(writer, compression, step):
 
 def __getattr__(name):
     if name == "ScaleCom":
-        from hvd_scalecom.torch.compressor import ScaleCom
+        from hvd_scalecom.torch.scalecom import ScaleCom
         return ScaleCom
     if name == "SketchedSGD":
         from hvd_scalecom.torch.sketched_sgd import SketchedSGD

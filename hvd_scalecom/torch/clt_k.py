@@ -20,15 +20,21 @@ contiguous fp32 CPU tensors the dense steps run as single passes in C (:mod:`hvd
 which compute the same floats as the torch operations (``tests/test_native.py``).
 """
 
-import ctypes
-import functools
 import math
-import threading
 from typing import NamedTuple, Optional
 
 import torch
 
 from hvd_scalecom import config, native
+from hvd_scalecom.selection_rule import CUDA_THRESHOLD_MIN_NUMEL as _CUDA_THRESHOLD_MIN_NUMEL  # noqa: F401
+from hvd_scalecom.selection_rule import sample_plan as _sample_plan  # noqa: F401
+from hvd_scalecom.selection_rule import thresholded as _thresholded
+from hvd_scalecom.torch.kernel_calls import (Marks, _check_advancing, _check_pairs, _flat, _keep_rounding_error_,  # noqa: F401
+                                             _mark, _marked_dtype, _native_applies, _native_filter_and_scatter_,
+                                             _native_filter_and_scatter_cut_, _native_pair, _out_of_range,
+                                             kernels_for)
+from hvd_scalecom.torch.threshold_select import (_at_least, _at_least_masked, _native_select,  # noqa: F401
+                                                 _sample_positions, _sampled_selection, _sampled_threshold)
 
 
 def memory_dtype(grad_dtype):
@@ -52,27 +58,11 @@ def select_top_k(p, k, selection="exact"):
     """Step 2: flat indices of the ``k`` largest ``|p|`` (int64, in no particular order).
 
     ``"exact"`` is ``torch.topk`` of ``|p|``. ``"threshold"`` returns the same set (ties at the k-th
-    magnitude aside) without a full top-k and (but on CUDA) without materialising ``|p|``:
-
-    1. a threshold ``t`` a little below the k-th largest magnitude, from a fixed low-discrepancy
-       sample of ``p`` (512 to 65,536 gathered entries, see :func:`_sample_plan`), set so that
-       fewer than k entries reach it with probability about 3e-5 when the sampled values are
-       independent (values clustered at the sample's positions make the fallback below more
-       frequent, never the result inexact);
-    2. ``p`` seen as an ``(8, numel / 8)`` grid: the largest ``|p|`` of each column from one
-       column-wise ``amax`` and one ``amin`` (read-only passes), and the columns reaching ``t``;
-    3. the entries of those columns with ``|p| >= t`` are the candidates, a superset of the top k
-       whenever there are at least k of them; ``torch.topk`` among the candidates picks the k.
-
-    If fewer than k entries reach ``t`` (or ``t`` is 0, e.g. mostly zeros), it falls back to
-    ``"exact"``, so the result is always an exact top-k. Ratios above 1/16 and small tensors (below
-    65,536 entries with torch operations, 1,024 in C, 2^22 on CUDA, where kernel launches and host
-    reads dominate) use ``"exact"`` directly. NaN entries are
-    never selected by ``"threshold"``'s own pass (``torch.topk``, in ``"exact"`` and in the
-    fallback, ranks them first). On contiguous fp32 CPU
-    tensors steps 2-3 are one read-only pass in C that collects the candidates in index order (the
-    k returned ascending; ties at the k-th magnitude go to the lowest indices); on CUDA step 2 is
-    one mask of ``|p| >= t`` and its ``nonzero`` (:func:`_at_least_masked`).
+    magnitude aside) by the rule of :mod:`hvd_scalecom.selection_rule`: a sampled threshold a little
+    below the k-th largest magnitude, the entries reaching it as candidates (found through an
+    ``(8, numel / 8)`` column pre-filter, :mod:`hvd_scalecom.torch.threshold_select`; in C on
+    contiguous fp32 CPU tensors), and ``torch.topk`` among them; an exact top-k where fewer than k
+    reach it. Small tensors and ratios above 1/16 take ``"exact"`` directly.
     """
     numel = p.numel()
     if selection not in ("exact", "threshold"):
@@ -91,17 +81,6 @@ def select_top_k(p, k, selection="exact"):
     else:
         selected = _sampled_selection(p, k)
     return selected if selected is not None else torch.topk(p.abs(), k, sorted=False).indices
-
-
-def _sampled_selection(p, k):
-    """Steps 1-3 of ``"threshold"`` with torch operations (``p`` flat): the k indices, or None where
-    fewer than k entries reach the sampled threshold (or it is 0)."""
-    threshold = _sampled_threshold(p, k)
-    if threshold > 0:
-        candidates, magnitudes = (_at_least_masked if p.is_cuda else _at_least)(p, threshold)
-        if candidates.numel() >= k:
-            return candidates.index_select(0, torch.topk(magnitudes, k, sorted=False).indices)
-    return None
 
 
 def select_top_k_of_sum(memory, grad, k, selection="exact", scratch=None):
@@ -211,224 +190,10 @@ def _native_select_of_sum(memory, grad, k, selection, index_dtype=torch.int64):
     return None
 
 
-_THRESHOLD_MIN_NUMEL = 1 << 16  # torch operations: below this, torch.topk is about as fast
-_NATIVE_THRESHOLD_MIN_NUMEL = 1 << 10  # the C selection: faster than torch.topk from a few thousand entries
-# CUDA: a tensor that small is bound by kernel launches and host reads, where torch.topk takes fewer
-# (docs/performance.md, GPU section: python -m benchmarks.gpu_kernels).
-_CUDA_THRESHOLD_MIN_NUMEL = 1 << 22
 # The leader's decompress finds I from the selection's cut (instead of marking the indices) from this
 # many entries on (16 MB of fp32: beyond the caches), where it was measured faster (25M entries); on
 # tensors that sit in the caches (1M entries) marking the indices was faster.
 _CUT_MIN_NUMEL = 1 << 22
-_GRID_ROWS = 8  # rows of the column pre-filter: a column reaches t with probability ~8x an entry's
-
-
-def _thresholded(numel, k, native, cuda=False):
-    """Whether ``"threshold"`` samples a threshold (else it is ``torch.topk``), in C (``native``) or
-    with torch operations (on a CUDA device: ``cuda``)."""
-    least = _NATIVE_THRESHOLD_MIN_NUMEL if native else _CUDA_THRESHOLD_MIN_NUMEL if cuda else _THRESHOLD_MIN_NUMEL
-    return numel >= least and k * 16 <= numel
-
-
-def kernels_for(*tensors):
-    """The C kernels (:func:`hvd_scalecom.native.library`) if they can take ``tensors`` (contiguous
-    fp32 CPU tensors), else None."""
-    lib = native.library()
-    if lib is None:
-        return None
-    for t in tensors:
-        if not (t.is_cpu and t.dtype is torch.float32 and t.is_contiguous()):
-            return None
-    return lib
-
-
-def _native_applies(*tensors):
-    return kernels_for(*tensors) is not None
-
-
-def _native_pair(memory, grad, *others):
-    """Whether the C passes take this memory and gradient (and ``others``): :func:`kernels_for` them,
-    and one entry of memory per entry of gradient (the passes index both up to the gradient's size)."""
-    return memory.numel() == grad.numel() and _native_applies(memory, grad, *others)
-
-
-def _flat(tensor, dtype=None):
-    """``tensor`` as a 1-D tensor of ``dtype`` (default: its own), without a call where it is one
-    already: these run per tensor and step, where each torch call costs about a microsecond."""
-    if tensor.ndim != 1:
-        tensor = tensor.reshape(-1)
-    return tensor if dtype is None or tensor.dtype is dtype else tensor.to(dtype)
-
-
-def _sample_plan(numel, k, native=False):
-    """(sample size, rank): the threshold is the rank-th largest of ``size`` sampled magnitudes.
-
-    Of a sample of ``s`` entries, about ``e = k s / numel`` (binomially distributed) reach the k-th
-    largest magnitude; ``rank`` is four standard deviations above that, so about ``k rank / e``
-    entries reach the threshold (:func:`_expected_candidates`). A larger sample costs more to
-    gather and select from but lets fewer extra candidates through. With torch operations the
-    candidates cost the most: the sample is ``numel / 256`` entries within [4,096, 65,536]. In C
-    (``native``) the sample costs the most: it is the smallest of 512, 1,024 and 2,048 entries
-    that lets through at most ``_SAMPLE_EXCESS`` more than k on average, else ``numel / 1024``
-    within [4,096, 16,384] (timed on this project's machine, 4,096 entries were best for 1M- and
-    4M-entry tensors, 8,192-16,384 for 25M, where each sampled entry is a cache miss). Never more
-    than ``numel``.
-    """
-    if not native:
-        size = min(numel, max(4096, min(65536, numel // 256)))
-        return size, _sample_rank(numel, k, size)
-    largest = min(numel, max(4096, min(16384, numel // 1024)))
-    for size in (512, 1024, 2048, largest):
-        size = min(size, largest)
-        rank = _sample_rank(numel, k, size)
-        if size == largest or _expected_candidates(numel, size, rank) - k <= _SAMPLE_EXCESS:
-            return size, rank
-
-
-_SAMPLE_EXCESS = 2048  # candidates beyond k that a small sample lets through, on average (in C)
-
-
-def _sample_rank(numel, k, size):
-    """Four standard deviations above the ``k size / numel`` sampled entries expected to reach the
-    k-th largest magnitude (see :func:`_sample_plan`)."""
-    expected = k * size / numel
-    return int(math.ceil(expected + 4.0 * math.sqrt(expected) + 4.0))
-
-
-def _expected_candidates(numel, size, rank):
-    """About how many entries reach the rank-th largest of ``size`` sampled magnitudes."""
-    return rank * numel / size
-
-
-class _SelectOutputs:
-    """The C selection's scalar outputs: whether the checked tensor is finite, and the cut."""
-
-    def __init__(self):
-        self.finite, self.kth, self.ties = ctypes.c_int(1), ctypes.c_float(0.0), ctypes.c_int64(0)
-        self.pointers = (ctypes.byref(self.finite), ctypes.byref(self.kth), ctypes.byref(self.ties))
-
-
-class _SelectBuffers:
-    """The C selection's candidate buffers, kept from call to call (grown, never shrunk)."""
-
-    def __init__(self):
-        self.cap = 0
-        self.out = _SelectOutputs()
-
-    def ensure(self, cap, sample_size):
-        """Grows the buffers if needed; returns ``(candidate indices, p, capacity, scratch)`` as
-        the C kernel takes them (pointers and the capacity)."""
-        if cap > self.cap or sample_size > self.scratch.numel():
-            self.cap = max(cap, self.cap)
-            self.indices = torch.empty(self.cap + 16, dtype=torch.int32)  # + one vector of slack
-            self.p = torch.empty(self.cap + 16, dtype=torch.float32)  # (the kernels write fp32,
-            self.scratch = torch.empty(max(self.cap, sample_size), dtype=torch.float32)  # whatever the default)
-            self.arguments = (self.indices.data_ptr(), self.p.data_ptr(), self.cap, self.scratch.data_ptr())
-        return self.arguments
-
-
-# Scratch the C kernels fill, one set per thread: they run without the GIL, and two threads sharing
-# a bitmap or candidate buffers would read each other's (or freed) memory.
-_per_thread = threading.local()
-
-
-def _select_buffers():
-    """This thread's :class:`_SelectBuffers`."""
-    buffers = getattr(_per_thread, "select", None)
-    if buffers is None:
-        buffers = _per_thread.select = _SelectBuffers()
-    return buffers
-
-
-@functools.lru_cache(maxsize=256)
-def _native_plan(numel, k):
-    """``(sample size, rank, sample positions, their pointer, room)`` of the C selection (see
-    :func:`_sample_plan`; room: candidates the buffers first hold, twice the expected number), or
-    None where the rank would exceed the sample."""
-    size, rank = _sample_plan(numel, k, native=True)
-    if rank >= size:
-        return None
-    positions = _sample_positions(numel, size, torch.device("cpu"))
-    room = max(2 * k + 4096, int(2 * _expected_candidates(numel, size, rank)))  # candidate buffers
-    return size, rank, positions, positions.data_ptr(), room
-
-
-def _native_select(a, b, k, index_dtype=torch.int64):
-    """``(I, a[I] + b[I], finite, (kth, ties))`` by the C kernel (``I`` the exact top-k of ``|a + b|``,
-    ascending, in ``index_dtype``, int64 or int32; ``|a|`` when b is None; ``finite``: every entry of b, else a, is; ``(kth, ties)``:
-    I as a :class:`Cut`), or None where the sampled threshold lets fewer than k entries
-    through (the caller then runs a full top-k)."""
-    numel = a.numel()
-    plan = _native_plan(numel, k)
-    if plan is None:
-        return None
-    size, rank, _, positions, cap = plan
-    lib = native.library()
-    indices = torch.empty(k, dtype=index_dtype)
-    p_at = torch.empty(k, dtype=torch.float32)
-    buffers = _select_buffers()
-    out = buffers.out
-    while True:
-        candidates = buffers.ensure(cap, size)
-        got = lib.hsc_select(a.data_ptr(), None if b is None else b.data_ptr(), numel, k, positions, size, rank,
-                             *candidates, indices.data_ptr(), int(index_dtype is torch.int64), p_at.data_ptr(),
-                             *out.pointers)
-        if got != -2:
-            break
-        cap = 2 * buffers.cap
-    return (indices, p_at, bool(out.finite.value), (out.kth.value, out.ties.value)) if got == k else None
-
-
-@functools.lru_cache(maxsize=256)
-def _sample_positions(numel, size, device):
-    """``size`` sorted positions in ``[0, numel)`` spread by the golden ratio (no periodic bias)."""
-    i = torch.arange(size, dtype=torch.float64)
-    positions = (torch.frac(i * 0.6180339887498949 + 0.5) * numel).to(torch.int64)
-    return positions.clamp_(0, numel - 1).sort().values.to(device)
-
-
-@functools.lru_cache(maxsize=64)
-def _row_offsets(rows, cols, device):
-    return (torch.arange(rows, dtype=torch.int64) * cols).view(rows, 1).to(device)
-
-
-def _sampled_threshold(p, k):
-    """A magnitude that at least k entries of ``p`` reach, with high probability, and not many more
-    (see :func:`_sample_plan`)."""
-    numel = p.numel()
-    size, rank = _sample_plan(numel, k)
-    magnitudes = p.index_select(0, _sample_positions(numel, size, p.device)).abs_()
-    if rank >= size:
-        return 0.0
-    return float(torch.kthvalue(magnitudes, size - rank + 1).values)
-
-
-def _at_least(p, threshold):
-    """Flat indices (ascending) and magnitudes of the entries with ``|p| >= threshold``."""
-    numel = p.numel()
-    cols = numel // _GRID_ROWS
-    grid = p[:cols * _GRID_ROWS].view(_GRID_ROWS, cols)  # grid[r, c] is p[r * cols + c]
-    column_max = torch.amax(grid, 0)
-    torch.maximum(column_max, torch.amin(grid, 0).neg_(), out=column_max)  # max |p| per column
-    hot = torch.nonzero(~(column_max < threshold)).view(-1)  # (a NaN makes its column's max NaN: hot)
-    block = grid.index_select(1, hot).abs_()  # the hot columns, (rows, len(hot))
-    at = torch.nonzero(block.view(-1) >= threshold).view(-1)
-    indices = (_row_offsets(_GRID_ROWS, cols, p.device) + hot).view(-1).index_select(0, at)
-    magnitudes = block.view(-1).index_select(0, at)
-    if cols * _GRID_ROWS < numel:  # the last numel % 8 entries
-        tail = p[cols * _GRID_ROWS:].abs()
-        at = torch.nonzero(tail >= threshold).view(-1)
-        indices = torch.cat([indices, at + cols * _GRID_ROWS])
-        magnitudes = torch.cat([magnitudes, tail.index_select(0, at)])
-    return indices, magnitudes
-
-
-def _at_least_masked(p, threshold):
-    """:func:`_at_least` from a mask of the whole tensor, for CUDA: there one ``nonzero`` of ``|p| >= t``
-    costs less than the column pre-filter's launches and gathers."""
-    magnitudes = p.abs()
-    indices = torch.nonzero(magnitudes >= threshold).view(-1)  # (NaN reaches no threshold)
-    return indices, magnitudes.index_select(0, indices)
 
 
 def take(memory, grad, indices):
@@ -513,46 +278,6 @@ def filter_and_scatter_(memory, grad, indices, reduced, taken, sent, beta):
     return finite
 
 
-def _check_pairs(indices, reduced, numel=None):
-    """ValueError unless there is one reduced value per index; IndexError if an index (on the CPU;
-    where ``numel`` is given) is outside ``[0, numel)``: raised before anything is written."""
-    if indices.numel() != reduced.numel():
-        raise ValueError(f"{reduced.numel()} reduced values for {indices.numel()} indices")
-    if numel is not None and indices.is_cpu and indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= numel):
-        raise IndexError(_out_of_range(indices, numel))
-
-
-def _native_filter_and_scatter_cut_(memory, flat, reduced, cut, beta):
-    """The C pass of :func:`filter_and_scatter_` that finds I again from ``cut``: whether the memory
-    was updated."""
-    status = native.library().hsc_filter_scatter_cut(memory.data_ptr(), flat.data_ptr(), flat.numel(), beta,
-                                                     1.0 - beta, cut.kth, cut.ties, reduced.numel(),
-                                                     reduced.data_ptr())
-    if status == -3:
-        raise RuntimeError("the gradient changed between compress and decompress without a change of its "
-                           "version counter: the leader's selection no longer gives its k entries")
-    return bool(status)
-
-
-def _native_filter_and_scatter_(memory, flat, indices, reduced, beta):
-    """The C pass of :func:`filter_and_scatter_` with I marked from ``indices`` (as
-    :func:`_marked_dtype` gives them): whether the memory was updated, or None, having written
-    nothing, where an index repeats."""
-    marks = _scratch_marks(flat.numel())
-    order = None
-    while True:
-        status = native.library().hsc_filter_scatter(
-            memory.data_ptr(), flat.data_ptr(), flat.numel(), beta, 1.0 - beta, indices.data_ptr(),
-            int(indices.dtype is torch.int64), indices.numel(), reduced.data_ptr(), marks.bits.data_ptr())
-        if status != -2 or order is not None:
-            break
-        order = indices.argsort()  # not ascending: the same pass over the sorted pairs
-        indices, reduced = indices[order], reduced[order]
-    if status == -1:
-        raise IndexError(_out_of_range(indices, flat.numel()))
-    return None if status == -2 else bool(status)
-
-
 # Below this many entries (2 MB of fp32: a gradient and its memory in the second-level caches) the
 # in-place passes (take_checking, filter_and_scatter_) are as fast as writing the memory over the
 # gradient and cost fewer calls; from 1M entries on, trading buffers was measured faster.
@@ -629,88 +354,6 @@ def filter_and_scatter_advanced(memory, grad, indices, reduced, taken, sent, bet
     if sent.dtype != taken.values.dtype:
         _keep_rounding_error_(new_memory, indices, taken.values, sent, beta)
     return memory, new_memory, True
-
-
-def _check_advancing(memory, grad):
-    """ValueError unless the C passes that trade buffers can take ``memory`` and ``grad``: loaded
-    kernels (:func:`hvd_scalecom.native.loaded`: the second call must finish what the first began)
-    and two contiguous fp32 CPU tensors of the same size (checked before any pointer reaches C)."""
-    if native.loaded() is None:
-        raise ValueError("take_advancing_ and filter_and_scatter_advanced need the C kernels (see may_advance)")
-    for name, t in (("memory", memory), ("grad", grad)):
-        if not (t.is_cpu and t.dtype is torch.float32 and t.is_contiguous()):
-            raise ValueError(f"{name} must be a contiguous fp32 CPU tensor here (see may_advance), got "
-                             f"{t.dtype} on {t.device}{'' if t.is_contiguous() else ', not contiguous'}")
-    if memory.numel() != grad.numel():
-        raise ValueError(f"memory has {memory.numel()} entries, grad {grad.numel()}: they must match")
-
-
-def _marked_dtype(indices):
-    """Flat contiguous indices as :func:`_mark` takes them: int32 (as broadcast) or int64 kept as they
-    are, other integer dtypes as int64; ValueError unless on the CPU (the C passes read them)."""
-    if not indices.is_cpu:
-        raise ValueError(f"indices must be a CPU tensor here (the C passes read them), got one on {indices.device}")
-    indices = _flat(indices)
-    if indices.dtype is not torch.int32:
-        indices = _flat(indices, torch.int64)
-    return indices.contiguous()
-
-
-class Marks:
-    """A set of indices I of a tensor of ``numel`` entries as the C kernels' bitmap (``bits``, one bit
-    per entry), with ``order``, the argsort that made the indices ascending (None if they were), and
-    ``count``, how many indices are marked (None until marked)."""
-
-    def __init__(self, numel):
-        self.numel = numel
-        self.bits = torch.empty((numel + 15) // 16, dtype=torch.int16)
-        self.order = None
-        self.count = None
-
-
-def _scratch_marks(numel):
-    """This thread's :class:`Marks` for the calls that fill and use a bitmap at once (grown as needed)."""
-    marks = getattr(_per_thread, "marks", None)
-    if marks is None or marks.numel < numel:
-        marks = _per_thread.marks = Marks(numel)
-    return marks
-
-
-def _mark(indices, numel, marks=None):
-    """``marks`` (default: this thread's buffer, grown as needed) holding ``indices`` (flat, contiguous,
-    int32 or int64, CPU), or None where an index repeats; IndexError where one is out of range."""
-    if marks is None:
-        marks = _scratch_marks(numel)
-    elif marks.numel != numel:
-        raise ValueError(f"marks are for {marks.numel} entries, the tensor has {numel}")
-    lib = native.loaded()  # (only reached where the C kernels took the step's first pass)
-    marks.order = marks.count = None
-    wide = int(indices.dtype is torch.int64)
-    status = lib.hsc_mark(indices.data_ptr(), wide, indices.numel(), numel, marks.bits.data_ptr())
-    if status == -2:
-        marks.order = indices.argsort()
-        ascending = indices[marks.order]
-        status = lib.hsc_mark(ascending.data_ptr(), wide, indices.numel(), numel, marks.bits.data_ptr())
-    if status == -1:
-        raise IndexError(_out_of_range(indices, numel))
-    if status == -2:
-        return None
-    marks.count = indices.numel()
-    return marks
-
-
-def _keep_rounding_error_(memory, indices, values, sent, beta):
-    """``memory[I] += beta (p[I] - sent)``: the values' rounding to a narrower dtype (e.g. fp16) stays
-    in the memory (step 4 on I, after ``memory[I] = (1 - beta) m[I]``)."""
-    indices = _flat(indices, torch.int64)
-    at = memory.index_select(0, indices)
-    at.add_(values - sent.to(values.dtype), alpha=beta)
-    memory.index_copy_(0, indices, at)
-
-
-def _out_of_range(indices, numel):
-    return (f"indices must lie in [0, {numel}) for a tensor of {numel} entries, got "
-            f"{int(indices.min())}..{int(indices.max())}")
 
 
 def fix_memory_at_indices_(memory, indices, memory_at_indices, values, sent, beta):

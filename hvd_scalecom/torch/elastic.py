@@ -52,7 +52,7 @@ and optimizer handlers keep theirs.
 
 from horovod.torch.elastic.state import StateHandler, get_handler_registry, set_handler_registry
 
-from hvd_scalecom.torch.compressor import ScaleCom
+from hvd_scalecom.torch.scalecom import ScaleCom
 
 __all__ = ["ScaleComStateHandler", "register"]
 

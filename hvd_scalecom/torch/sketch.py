@@ -39,7 +39,7 @@ element ``torch.median`` picks, NaN included (``tests/test_sketch_kernels.py``).
 
 import torch
 
-from hvd_scalecom.baseline_config import MAX_SKETCH_COLUMNS
+from hvd_scalecom.sketched_qsparse_config import MAX_SKETCH_COLUMNS
 from hvd_scalecom.torch import clt_k
 
 PRIME = 2**31 - 1                     # p of the hash family

@@ -61,13 +61,15 @@ from horovod.common.exceptions import HorovodInternalError
 from horovod.torch.compression import Compressor
 
 from hvd_scalecom.agreement import DTYPES_HINT, dtype_names, shapes_digest
-from hvd_scalecom.baseline_config import SketchedSGDConfig
-from hvd_scalecom.state import check_loss_scale, checked_params
+from hvd_scalecom.sketched_qsparse_config import SketchedSGDConfig
+from hvd_scalecom.state_checks import check_loss_scale, checked_params
 from hvd_scalecom.torch import clt_k
-from hvd_scalecom.torch.common import (GradientLookup, as_memory_of, check_agreement, check_loss_scaler,
-                                      check_process_set, check_state_entry, dense_on_the_wire,
-                                      follow_loss_scale, handed_back, named_parameter_list,
-                                      refuse_second_reduction, restored_loss_scale, stall_times, wire_dtype)
+from hvd_scalecom.torch.collectives import check_agreement, check_process_set, stall_times
+from hvd_scalecom.torch.dtypes import dense_on_the_wire, wire_dtype
+from hvd_scalecom.torch.loss_scale import check_loss_scaler, follow_loss_scale, restored_loss_scale
+from hvd_scalecom.torch.parameters import (GradientLookup, handed_back, named_parameter_list,
+                                           refuse_second_reduction)
+from hvd_scalecom.torch.saved_state import as_memory_of, check_state_entry
 from hvd_scalecom.torch.sketch import CountSketch
 from hvd_scalecom.torch.sketched_steps import (accumulate_, applied_update, heavy_candidates, momentum_,
                                                reset_nonfinite_, select_applied, skip_nonfinite_, vector_dtype,

@@ -22,7 +22,7 @@ import functools
 import torch
 
 from hvd_scalecom.torch import clt_k
-from hvd_scalecom.torch.common import wire_dtype
+from hvd_scalecom.torch.dtypes import wire_dtype
 
 
 def momentum_(u, g, rho):
@@ -100,7 +100,7 @@ def reset_nonfinite_(*states):
 
 def warmup_wire_dtype(dtypes):
     """The dtype a warm-up step's momentum of the sketched gradients (of ``dtypes``) travels in, whole:
-    their wire dtypes (:func:`hvd_scalecom.torch.common.wire_dtype`) promoted, so each gradient's own
+    their wire dtypes (:func:`hvd_scalecom.torch.dtypes.wire_dtype`) promoted, so each gradient's own
     where they agree, as the optimizer's dense allreduce would send it."""
     return functools.reduce(torch.promote_types, [wire_dtype(d) for d in dtypes])
 

@@ -28,8 +28,8 @@ import torch
 
 import horovod.torch as hvd
 from horovod.common.exceptions import HorovodInternalError
-from hvd_scalecom.torch import ScaleCom, clt_k, compressor
-from hvd_scalecom.torch.common import tensors_digest
+from hvd_scalecom.torch import ScaleCom, clt_k, scalecom as compressor
+from hvd_scalecom.torch.collectives import tensors_digest
 
 torch.set_num_threads(1)
 opts = json.loads(sys.argv[1])
