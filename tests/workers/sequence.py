@@ -47,6 +47,7 @@ for part, script, arguments, out_dir, seconds in plan:
     open(os.path.join(out_dir, f"started.rank{RANK}"), "w").close()
     faulthandler.dump_traceback_later(seconds, exit=True)  # a hang ends the job, with every stack
     sys.argv = [script, *argv]
+    sys.path.insert(0, os.path.dirname(script))  # (as python SCRIPT puts its folder first)
     streams = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = (Tee(stream, os.path.join(out_dir, f"{name}.rank{RANK}.txt"))
                               for stream, name in zip(streams, ("stdout", "stderr")))
@@ -59,6 +60,7 @@ for part, script, arguments, out_dir, seconds in plan:
         sys.stdout.flush()
         sys.stderr.flush()
         sys.stdout, sys.stderr = streams
+        sys.path.remove(os.path.dirname(script))
     faulthandler.cancel_dump_traceback_later()
     open(os.path.join(out_dir, f"finished.rank{RANK}"), "w").close()
 faulthandler.dump_traceback_later(120, exit=True)  # (Horovod's shutdown at exit too)

@@ -57,9 +57,9 @@ if mode == "keras":
     from hvd_scalecom.tensorflow import (BroadcastInitialState, DistributedOptimizer, LogStats,
                                          gradient_sources, make_train_step)
 
+    keras.backend.clear_session()  # (as in a new process: tests/workers/sequence.py runs several runs in one)
     keras.utils.set_random_seed(0)
-    if opts.get("policy"):
-        keras.mixed_precision.set_global_policy(opts["policy"])
+    keras.mixed_precision.set_global_policy(opts.get("policy") or "float32")
 
     class Recorded(keras.Sequential):
         """Keeps its weights after each step of fit in ``trace``, at row ``traced`` (counted from 1)."""
