@@ -201,7 +201,7 @@ define_job("torch_np2_mpi", 2, controller="mpi")
 define_job("torch_np3_mpi", 3, controller="mpi")
 define_job("torch_np3_native_off", 3, env={"HVD_SCALECOM_NATIVE": "0"})  # torch operations, no C kernels
 define_job("torch_np2_stall", 2, env=FAST_STALL)
-define_job("torch_np3_stall", 3, env=FAST_STALL)
+define_job("torch_np3_stall", 3, env=FAST_STALL, after=["torch_np3"])  # (resumes torch_np3's checkpoints)
 
 # -- the jobs of tests/test_torch_sketched_sgd.py and tests/test_torch_qsparse.py (each with a timeline) ----
 define_job("np3", 3, timeline=True)
@@ -213,14 +213,16 @@ define_job("np1", 1, timeline=True)
 define_job("np3_mpi", 3, controller="mpi", timeline=True)
 
 # -- the jobs of the TensorFlow workers (tests/test_tensorflow_scalecom.py, test_horovod_smoke.py) ----------
-define_job("tf_np2", 2)
 define_job("tf_np2_timeline", 2, timeline=True)
+define_job("tf_np2", 2, after=["tf_np2_timeline"])  # (resumes tf_np2_timeline's checkpoint)
 define_job("tf_np3", 3)
 define_job("tf_np2_mpi", 2, controller="mpi")
 define_job("tf_np3_mpi", 3, controller="mpi")
 
-# -- the examples' jobs (tests/test_examples.py, test_tensorflow_scalecom.py): ex_*_b resume from ex_*'s checkpoints
+# -- the examples' jobs (tests/test_examples.py, test_tensorflow_scalecom.py): ex_*_b and ex_*_c resume, in
+# new processes, from ex_*'s checkpoints
 for framework in ("torch", "tf"):
     define_job(f"ex_{framework}_np2", 2)
     define_job(f"ex_{framework}_np2_b", 2, after=[f"ex_{framework}_np2"])
+    define_job(f"ex_{framework}_np2_c", 2, after=[f"ex_{framework}_np2"])
     define_job(f"ex_{framework}_np4", 4)

@@ -16,19 +16,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "pytorch_scalecom.py")
 
 # The examples' runs share horovodrun jobs (tests/jobs.py), one after another in the same processes; a run
-# that must fail comes last in its job (ex_*_b: after the run whose checkpoint it resumes from).
+# that must fail comes last in its job; a resumed run runs in new processes (ex_*_b and ex_*_c run after ex_*).
 JOB = {"pytorch_scalecom.py": "torch", "tensorflow_scalecom.py": "tf"}
 RESUME_TEST = ["test_resume_from_checkpoint_matches_an_uninterrupted_run"]
 
 
-def _train_run(name, *extra, fails=False):
+def _train_run(name, *extra, job="ex_torch_np2", fails=False):
     """A run of the PyTorch example writing ``<root>/ckpt_resume/<name>.json`` (``{ckpt}``: that folder)."""
     def arguments(root):
         folder = root / "ckpt_resume"
         folder.mkdir(exist_ok=True)
         return ["--compression", "scalecom", "--batch-size", "64", "--result", str(folder / f"{name}.json"),
                 *(str(folder / "ckpt") if e == "{ckpt}" else e for e in extra)]
-    add_run("ex_torch_np2", f"ex_torch_{name}", EXAMPLE, arguments, RESUME_TEST, fails=fails, timeout=600)
+    add_run(job, f"ex_torch_{name}", EXAMPLE, arguments, RESUME_TEST, fails=fails, timeout=600)
 
 
 def _train(job, name):
@@ -38,16 +38,17 @@ def _train(job, name):
 
 _train_run("straight", "--epochs", "3")
 _train_run("first", "--epochs", "2", "--checkpoint", "{ckpt}")
-_train_run("resumed", "--epochs", "3", "--checkpoint", "{ckpt}", "--resume")
-_train_run("other", "--epochs", "4", "--checkpoint", "{ckpt}", "--resume", "--compression", "dense", fails=True)
+_train_run("resumed", "--epochs", "3", "--checkpoint", "{ckpt}", "--resume", job="ex_torch_np2_b")
+_train_run("other", "--epochs", "4", "--checkpoint", "{ckpt}", "--resume", "--compression", "dense", job="ex_torch_np2_b",
+           fails=True)
 
 
 def test_resume_from_checkpoint_matches_an_uninterrupted_run(horovod_jobs):
-    job = horovod_jobs("ex_torch_np2")
+    job, resuming = horovod_jobs("ex_torch_np2"), horovod_jobs("ex_torch_np2_b")
     ckpt = job.root / "ckpt_resume" / "ckpt"
     straight = _train(job, "straight")
     _train(job, "first")
-    resumed = _train(job, "resumed")
+    resumed = _train(resuming, "resumed")
     assert resumed["loss"] == straight["loss"]
     assert resumed["accuracy"] == straight["accuracy"]
     assert resumed["steps"] == straight["steps"]
@@ -58,9 +59,10 @@ def test_resume_from_checkpoint_matches_an_uninterrupted_run(horovod_jobs):
     assert memories[0][name]["step"] == memories[1][name]["step"] == straight["steps"]
     assert not torch.equal(memories[0][name]["memory"], memories[1][name]["memory"])
     from hvd_scalecom.launch import HorovodRunError  # another --compression would drop the memories
-    assert isinstance(job.error, HorovodRunError)
+    assert isinstance(resuming.error, HorovodRunError)
+    report = resuming.failure("ex_torch_other")
     assert re.search("--compression dense: the checkpoint in .* was trained with --compression scalecom; resume "
-                     "with that", job.failure("ex_torch_other")), job.failure("ex_torch_other")[-3000:]
+                     "with that", report), report[-3000:]
 
 
 def other_arguments_common(example, root):
@@ -71,7 +73,7 @@ for example in ["pytorch_scalecom.py", "tensorflow_scalecom.py"]:
     add_run(f"ex_{JOB[example]}_np2", f"ex_{JOB[example]}_dense_first", os.path.join(ROOT, "examples", example),
             lambda root, example=example: [*other_arguments_common(example, root), "--epochs", "1"],
             ["test_resume_with_other_optimizer_arguments_is_refused"], timeout=600)
-    add_run(f"ex_{JOB[example]}_np2_b", f"ex_{JOB[example]}_dense_other", os.path.join(ROOT, "examples", example),
+    add_run(f"ex_{JOB[example]}_np2_c", f"ex_{JOB[example]}_dense_other", os.path.join(ROOT, "examples", example),
             lambda root, example=example: [*other_arguments_common(example, root), "--epochs", "2", "--resume",
                                            "--lr", "0.1", "--momentum", "0.5"],
             ["test_resume_with_other_optimizer_arguments_is_refused"], fails=True, timeout=600)
@@ -83,7 +85,7 @@ def test_resume_with_other_optimizer_arguments_is_refused(example, horovod_jobs)
     others would silently train with the checkpoint's, so it is refused, naming both values."""
     from hvd_scalecom.launch import HorovodRunError
     horovod_jobs(f"ex_{JOB[example]}_np2").completed(f"ex_{JOB[example]}_dense_first", 0)
-    job = horovod_jobs(f"ex_{JOB[example]}_np2_b")
+    job = horovod_jobs(f"ex_{JOB[example]}_np2_c")
     assert isinstance(job.error, HorovodRunError)
     report = job.failure(f"ex_{JOB[example]}_dense_other")
     assert re.search(r"--lr 0\.1, --momentum 0\.5: the checkpoint in .* was trained "

@@ -109,14 +109,14 @@ def timeline_collectives(path):
 # The runs of the TensorFlow workers share the jobs tf_np2, tf_np3, tf_np2_mpi and tf_np3_mpi of
 # tests/jobs.py, one after another in the same processes. One 10-step tf.function run on 2 ranks serves
 # the reference/timeline test and, through the checkpoint it writes after step 5, the checkpoint test:
-# it is the first run of tf_np2_timeline, whose timeline ends with it (its worker stops it).
+# it is the only run of tf_np2_timeline; tf_np2 runs after it (the resumed run, in new processes).
 STRAIGHT = {"ratio": 0.05, "beta": 0.3, "warmup_steps": 2, "min_numel": 600, "mode": "function",
             "steps": 10}
 add_run("tf_np2_timeline", "tf_straight", "tf_scalecom.py",
         {**STRAIGHT, "checkpoint_at": 5, "state_round_trip": True, "tensorboard": True},
         ["test_function_matches_reference_and_moves_k_values", "test_log_stats_writes_what_stats_returns",
-         "test_checkpoint_round_trip_continues_identically"], first=True, timeout=600)
-add_run("tf_np2_timeline", "tf_resumed", "tf_scalecom.py",
+         "test_checkpoint_round_trip_continues_identically"], timeout=600)
+add_run("tf_np2", "tf_resumed", "tf_scalecom.py",
         lambda root: {**STRAIGHT, "steps": 5, "first_step": 5, "resume_from": str(root / "tf_straight")},
         ["test_checkpoint_round_trip_continues_identically"])
 
@@ -817,10 +817,9 @@ def test_keras_fit_with_a_loss_scale_optimizer_matches_reference(horovod_jobs, p
 
 
 def test_checkpoint_round_trip_continues_identically(horovod_jobs, straight_run):
-    """10 steps straight equal 5 steps, a tf.train.Checkpoint, a new run (new model, optimizer and
-    ScaleCom), and 5 more steps."""
+    """10 steps straight equal 5 steps, a tf.train.Checkpoint, new processes, and 5 more steps."""
     straight, _, _ = straight_run
-    resumed = horovod_jobs("tf_np2_timeline").completed("tf_resumed")
+    resumed = horovod_jobs("tf_np2").completed("tf_resumed")
     # Dense reductions may be fused differently from run to run: sums may differ in the last bit.
     for rank in range(2):
         for n in NAMES:
@@ -1163,40 +1162,41 @@ def test_step_counters_that_part_mid_job_stop_every_rank_alike(horovod_jobs):
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "tensorflow_scalecom.py")
 
 
-def example_run(name, *extra, fails=False):
-    """A run of examples/tensorflow_scalecom.py in the job ex_tf_np2, writing ``<root>/tf_example/<name>.json``."""
+def example_run(name, *extra, job="ex_tf_np2", fails=False):
+    """A run of examples/tensorflow_scalecom.py in ``job``, writing ``<root>/tf_example/<name>.json``."""
     def arguments(root):
         folder = root / "tf_example"
         folder.mkdir(exist_ok=True)
         return ["--compression", "scalecom", "--ratio", "0.01", "--beta", "0.5", "--warmup-steps", "3",
                 "--pipelined", "--result", str(folder / f"{name}.json"),
                 *(str(folder / "ckpt") if e == "{ckpt}" else e for e in extra)]
-    add_run("ex_tf_np2", f"tf_example_{name}", EXAMPLE, arguments,
+    add_run(job, f"tf_example_{name}", EXAMPLE, arguments,
             ["test_example_checkpoint_resume_continues_identically"], fails=fails, timeout=600)
 
 
 example_run("straight", "--epochs", "2")
 example_run("first", "--epochs", "1", "--checkpoint", "{ckpt}")
-example_run("resumed", "--epochs", "2", "--checkpoint", "{ckpt}", "--resume")
-example_run("other", "--epochs", "3", "--checkpoint", "{ckpt}", "--resume", "--compression", "fp16", fails=True)
+example_run("resumed", "--epochs", "2", "--checkpoint", "{ckpt}", "--resume", job="ex_tf_np2_b")  # (new processes)
+example_run("other", "--epochs", "3", "--checkpoint", "{ckpt}", "--resume", "--compression", "fp16",
+            job="ex_tf_np2_b", fails=True)
 
 
 def test_example_checkpoint_resume_continues_identically(horovod_jobs):
     """examples/tensorflow_scalecom.py: 2 epochs straight equal 1 epoch, --checkpoint, then --resume
-    in a new run for the second (per-rank ScaleCom memories, model and optimizer restored, and,
+    in new processes for the second (per-rank ScaleCom memories, model and optimizer restored, and,
     pipelined, the indices chosen for the first step after the checkpoint)."""
-    job = horovod_jobs("ex_tf_np2")
+    job, resuming = horovod_jobs("ex_tf_np2"), horovod_jobs("ex_tf_np2_b")
 
-    def result(name):
+    def result(job, name):
         job.completed(f"tf_example_{name}", 0)  # (the example writes no npz)
         with open(job.root / "tf_example" / f"{name}.json") as f:
             return json.load(f)
 
-    straight = result("straight")
-    first = result("first")
+    straight = result(job, "straight")
+    first = result(job, "first")
     assert sorted(os.listdir(job.root / "tf_example" / "ckpt")) == ["rank0", "rank1"]
-    resumed = result("resumed")
-    output = job.output_of("tf_example_resumed")
+    resumed = result(resuming, "resumed")
+    output = resuming.output_of("tf_example_resumed")
     assert "after epoch 1" in output and first["epochs"] == 1 and resumed["epochs"] == 2
     # Dense reductions may be fused differently from run to run: sums may differ in the last bit.
     assert resumed["loss"] == pytest.approx(straight["loss"], rel=1e-5)
@@ -1204,8 +1204,8 @@ def test_example_checkpoint_resume_continues_identically(horovod_jobs):
     assert resumed["accuracy"] == straight["accuracy"]
     assert resumed["loss"] != pytest.approx(first["loss"], rel=1e-3)  # it did train on
     from hvd_scalecom.launch import HorovodRunError  # another --compression would drop the memories
-    assert isinstance(job.error, HorovodRunError)
-    report = job.failure("tf_example_other")
+    assert isinstance(resuming.error, HorovodRunError)
+    report = resuming.failure("tf_example_other")
     assert re.search("--compression fp16: the checkpoint in .* was trained with --compression scalecom; "
                      "resume with that", report), report[-3000:]
 

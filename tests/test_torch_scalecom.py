@@ -493,33 +493,32 @@ def checkpoint_base(pipelined):
             "advance_min_numel": 0}
 
 
-for pipelined in [False, True]:  # in this order in the job: the resumed runs read the first's checkpoint
+for pipelined in [False, True]:  # resumed in new processes: torch_np3_stall runs after torch_np3
     base, first = checkpoint_base(pipelined), f"checkpoint_{pipelined}_first"
     tests = ["test_checkpoint_round_trip_continues_identically"]
     scalecom_run("torch_np3", f"checkpoint_{pipelined}_straight", {**base, "steps": 10}, tests)
     scalecom_run("torch_np3", first, {**base, "steps": 5, "checkpoint": True}, tests)
-    scalecom_run("torch_np3", f"checkpoint_{pipelined}_second", lambda root, base=base, first=first: {
+    scalecom_run("torch_np3_stall", f"checkpoint_{pipelined}_second", lambda root, base=base, first=first: {
         **base, "steps": 5, "first_step": 5, "resume_from": str(root / first)}, tests)
-    scalecom_run("torch_np3", f"checkpoint_{pipelined}_third", lambda root, base=base, first=first: {
+    scalecom_run("torch_np3_stall", f"checkpoint_{pipelined}_third", lambda root, base=base, first=first: {
         **base, "steps": 5, "first_step": 5, "resume_from": str(root / first), "forget_compression_state": True},
         tests)
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_checkpoint_round_trip_continues_identically(horovod_jobs, pipelined):
-    """10 steps straight equal 5 steps, a checkpoint, new processes (a run of its own: a new
-    ScaleCom, model and optimizer), and 5 more steps."""
-    job = horovod_jobs("torch_np3")
+    """10 steps straight equal 5 steps, a checkpoint, new processes, and 5 more steps."""
+    job, resuming = horovod_jobs("torch_np3"), horovod_jobs("torch_np3_stall")
     straight = job.completed(f"checkpoint_{pipelined}_straight")
     job.completed(f"checkpoint_{pipelined}_first")
-    resumed = job.completed(f"checkpoint_{pipelined}_second")
+    resumed = resuming.completed(f"checkpoint_{pipelined}_second")
     # Dense reductions are fused differently from run to run, so sums may differ in the last bit.
     for rank in range(3):
         for n in NAMES:
             np.testing.assert_allclose(resumed[rank][f"final/{n}"], straight[rank][f"final/{n}"],
                                        rtol=1e-5, atol=1e-7, err_msg=f"{n}, rank {rank}")
     # Control: resuming without the residue memories is measurably different.
-    forgetful = job.completed(f"checkpoint_{pipelined}_third")
+    forgetful = resuming.completed(f"checkpoint_{pipelined}_third")
     diff = np.abs(forgetful[0]["final/hidden.weight"] - straight[0]["final/hidden.weight"]).max()
     assert diff > 1e-4
 
