@@ -163,12 +163,30 @@ def test_shards_of_different_sizes_take_the_same_steps(example, horovod_jobs):
     (["--result", "/nonexistent_dir/r.json"],  # (refused before training, not after)
      "argument --result: directory /nonexistent_dir does not exist"),
 ])
-def test_bad_example_arguments_are_named(example, arguments, message):
+def test_bad_example_arguments_are_named(example, arguments, message, request):
+    code, output = bad_argument_outcomes(request, example)[tuple(arguments)]
+    assert code != 0 and message in output, output[-2000:]
+
+
+_BAD_ARGUMENT_OUTCOMES = {}
+
+
+def bad_argument_outcomes(request, example):
+    """``{arguments: (exit code, output)}`` of the example given each argument list of this test selected
+    in the session: all in one Python process (tests/workers/each_argv.py), which starts torch or
+    TensorFlow once, not once per list."""
     import subprocess
     import sys
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", example), *arguments],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode != 0 and message in done.stdout + done.stderr, done.stderr[-2000:]
+    if example not in _BAD_ARGUMENT_OUTCOMES:
+        lists = [item.callspec.params["arguments"] for item in request.session.items
+                 if getattr(item, "originalname", None) == request.node.originalname
+                 and item.callspec.params["example"] == example]
+        done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "workers", "each_argv.py"),
+                               os.path.join(ROOT, "examples", example), json.dumps(lists)],
+                              capture_output=True, text=True, timeout=300 + 60 * len(lists))
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        _BAD_ARGUMENT_OUTCOMES[example] = {tuple(a): (c, o) for a, c, o in json.loads(done.stdout.splitlines()[-1])}
+    return _BAD_ARGUMENT_OUTCOMES[example]
 
 
 def test_the_demo_explains_its_arguments_and_refuses_compression_and_outputs():
