@@ -1,9 +1,10 @@
 # The README's two commands: `make demo` and `make test`. Each installs what is missing first.
+# `make test-fast` runs the tests that start no processes (pytest -m "not multiprocess"): a few minutes.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test test-fast bench clean
 
 install:
 	bash scripts/install.sh
@@ -13,6 +14,9 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q tests
+
+test-fast: install
+	$(PY) -m pytest -q -m "not multiprocess" tests
 
 bench: install
 	$(PY) -m benchmarks.run_all

@@ -10,24 +10,45 @@ import re
 import pytest
 import torch
 
-from devtools.launch import run
+from jobs import add_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "pytorch_scalecom.py")
 
-
-def _train(tmp_path, name, *extra):
-    result = tmp_path / f"{name}.json"
-    run([EXAMPLE, "--compression", "scalecom", "--batch-size", "64", "--result", str(result), *extra],
-        np=2, timeout=300)
-    return json.loads(result.read_text())
+# The examples' runs share horovodrun jobs (tests/jobs.py), one after another in the same processes; a run
+# that must fail comes last in its job; a resumed run runs in new processes (ex_*_b and ex_*_c run after ex_*).
+JOB = {"pytorch_scalecom.py": "torch", "tensorflow_scalecom.py": "tf"}
+RESUME_TEST = ["test_resume_from_checkpoint_matches_an_uninterrupted_run"]
 
 
-def test_resume_from_checkpoint_matches_an_uninterrupted_run(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    straight = _train(tmp_path, "straight", "--epochs", "3")
-    _train(tmp_path, "first", "--epochs", "2", "--checkpoint", str(ckpt))
-    resumed = _train(tmp_path, "resumed", "--epochs", "3", "--checkpoint", str(ckpt), "--resume")
+def _train_run(name, *extra, job="ex_torch_np2", fails=False):
+    """A run of the PyTorch example writing ``<root>/ckpt_resume/<name>.json`` (``{ckpt}``: that folder)."""
+    def arguments(root):
+        folder = root / "ckpt_resume"
+        folder.mkdir(exist_ok=True)
+        return ["--compression", "scalecom", "--batch-size", "64", "--result", str(folder / f"{name}.json"),
+                *(str(folder / "ckpt") if e == "{ckpt}" else e for e in extra)]
+    add_run(job, f"ex_torch_{name}", EXAMPLE, arguments, RESUME_TEST, fails=fails, timeout=600)
+
+
+def _train(job, name):
+    job.completed(f"ex_torch_{name}", 0)  # (the example writes no npz)
+    return json.loads((job.root / "ckpt_resume" / f"{name}.json").read_text())
+
+
+_train_run("straight", "--epochs", "3")
+_train_run("first", "--epochs", "2", "--checkpoint", "{ckpt}")
+_train_run("resumed", "--epochs", "3", "--checkpoint", "{ckpt}", "--resume", job="ex_torch_np2_b")
+_train_run("other", "--epochs", "4", "--checkpoint", "{ckpt}", "--resume", "--compression", "dense", job="ex_torch_np2_b",
+           fails=True)
+
+
+def test_resume_from_checkpoint_matches_an_uninterrupted_run(horovod_jobs):
+    job, resuming = horovod_jobs("ex_torch_np2"), horovod_jobs("ex_torch_np2_b")
+    ckpt = job.root / "ckpt_resume" / "ckpt"
+    straight = _train(job, "straight")
+    _train(job, "first")
+    resumed = _train(resuming, "resumed")
     assert resumed["loss"] == straight["loss"]
     assert resumed["accuracy"] == straight["accuracy"]
     assert resumed["steps"] == straight["steps"]
@@ -38,23 +59,37 @@ def test_resume_from_checkpoint_matches_an_uninterrupted_run(tmp_path):
     assert memories[0][name]["step"] == memories[1][name]["step"] == straight["steps"]
     assert not torch.equal(memories[0][name]["memory"], memories[1][name]["memory"])
     from devtools.launch import HorovodRunError  # another --compression would drop the memories
-    with pytest.raises(HorovodRunError, match="--compression dense: the checkpoint in .* was trained "
-                                              "with --compression scalecom; resume with that"):
-        _train(tmp_path, "other", "--epochs", "4", "--checkpoint", str(ckpt), "--resume", "--compression", "dense")
+    assert isinstance(resuming.error, HorovodRunError)
+    report = resuming.failure("ex_torch_other")
+    assert re.search("--compression dense: the checkpoint in .* was trained with --compression scalecom; resume "
+                     "with that", report), report[-3000:]
+
+
+def other_arguments_common(example, root):
+    return ["--compression", "dense", "--batch-size", "256", "--checkpoint", str(root / f"ckpt_{JOB[example]}_dense")]
+
+
+for example in ["pytorch_scalecom.py", "tensorflow_scalecom.py"]:
+    add_run(f"ex_{JOB[example]}_np2", f"ex_{JOB[example]}_dense_first", os.path.join(ROOT, "examples", example),
+            lambda root, example=example: [*other_arguments_common(example, root), "--epochs", "1"],
+            ["test_resume_with_other_optimizer_arguments_is_refused"], timeout=600)
+    add_run(f"ex_{JOB[example]}_np2_c", f"ex_{JOB[example]}_dense_other", os.path.join(ROOT, "examples", example),
+            lambda root, example=example: [*other_arguments_common(example, root), "--epochs", "2", "--resume",
+                                           "--lr", "0.1", "--momentum", "0.5"],
+            ["test_resume_with_other_optimizer_arguments_is_refused"], fails=True, timeout=600)
 
 
 @pytest.mark.parametrize("example", ["pytorch_scalecom.py", "tensorflow_scalecom.py"])
-def test_resume_with_other_optimizer_arguments_is_refused(example, tmp_path):
+def test_resume_with_other_optimizer_arguments_is_refused(example, horovod_jobs):
     """The checkpoint restores the optimizer with its learning rate and momentum: a resume given
     others would silently train with the checkpoint's, so it is refused, naming both values."""
     from devtools.launch import HorovodRunError
-    ckpt = tmp_path / "ckpt"
-    common = [os.path.join(ROOT, "examples", example), "--compression", "dense", "--batch-size", "256",
-              "--checkpoint", str(ckpt)]
-    run([*common, "--epochs", "1"], np=2, timeout=300)
-    with pytest.raises(HorovodRunError, match=r"--lr 0\.1, --momentum 0\.5: the checkpoint in .* was trained "
-                                              r"with --lr 0\.0125, --momentum 0\.9; resume with those"):
-        run([*common, "--epochs", "2", "--resume", "--lr", "0.1", "--momentum", "0.5"], np=2, timeout=300)
+    horovod_jobs(f"ex_{JOB[example]}_np2").completed(f"ex_{JOB[example]}_dense_first", 0)
+    job = horovod_jobs(f"ex_{JOB[example]}_np2_c")
+    assert isinstance(job.error, HorovodRunError)
+    report = job.failure(f"ex_{JOB[example]}_dense_other")
+    assert re.search(r"--lr 0\.1, --momentum 0\.5: the checkpoint in .* was trained "
+                     r"with --lr 0\.0125, --momentum 0\.9; resume with those", report), report[-3000:]
 
 
 def test_default_recipe_keeps_scalecom_within_a_point_of_dense_at_4_workers(monkeypatch):
@@ -97,22 +132,33 @@ def test_checkpoint_records_what_scales_the_learning_rate(monkeypatch):
         check_trained_with("dense", trained_with(args, 2), "ckpt")
 
 
+for example in ["pytorch_scalecom.py", "tensorflow_scalecom.py"]:
+    add_run(f"ex_{JOB[example]}_np2", f"ex_{JOB[example]}_progress", os.path.join(ROOT, "examples", example),
+            ["--epochs", "1", "--progress"], ["test_progress_bar_on_rank_0"], timeout=600)
+
+
 @pytest.mark.parametrize("example", ["pytorch_scalecom.py", "tensorflow_scalecom.py"])
-def test_progress_bar_on_rank_0(example):
-    output = run([os.path.join(ROOT, "examples", example), "--epochs", "1", "--progress"], np=2,
-                 timeout=300)
+def test_progress_bar_on_rank_0(example, horovod_jobs):
+    output = horovod_jobs(f"ex_{JOB[example]}_np2").output_of(f"ex_{JOB[example]}_progress")
     # tqdm redraws the bar every 0.1 s or so; horovodrun prints each redraw as a line of rank 0's
     assert re.search(r"\[0\]<stdout>:epoch 1: +\d+%\|.*\| \d+/\d+ \[", output), output[-2000:]
     assert "[1]<stdout>:epoch 1:" not in output
 
 
+for example in ["pytorch_scalecom.py", "tensorflow_scalecom.py"]:
+    add_run(f"ex_{JOB[example]}_np4", f"ex_{JOB[example]}_shards", os.path.join(ROOT, "examples", example),
+            lambda root, example=example: ["--epochs", "1", "--batch-size", "120", "--result",
+                                           str(root / f"ex_{JOB[example]}_shards" / "result.json")],
+            ["test_shards_of_different_sizes_take_the_same_steps"], timeout=600)
+
+
 @pytest.mark.parametrize("example", ["pytorch_scalecom.py", "tensorflow_scalecom.py"])
-def test_shards_of_different_sizes_take_the_same_steps(example, tmp_path):
+def test_shards_of_different_sizes_take_the_same_steps(example, horovod_jobs):
     """4 workers: shards of 360, 359, 359 and 359 images; batches of 120 give every rank 2 steps (3
     on rank 0 would leave its third allreduce waiting for the others)."""
-    result = tmp_path / "result.json"
-    output = run([os.path.join(ROOT, "examples", example), "--epochs", "1", "--batch-size", "120",
-                  "--result", str(result)], np=4, timeout=300)
+    job = horovod_jobs(f"ex_{JOB[example]}_np4")
+    result = job.root / f"ex_{JOB[example]}_shards" / "result.json"
+    output = job.output_of(f"ex_{JOB[example]}_shards")
     assert "2 steps per epoch" in output
     assert json.loads(result.read_text())["compression"] == "scalecom"
 
@@ -135,12 +181,30 @@ def test_shards_of_different_sizes_take_the_same_steps(example, tmp_path):
     (["--result", "/nonexistent_dir/r.json"],  # (refused before training, not after)
      "argument --result: directory /nonexistent_dir does not exist"),
 ])
-def test_bad_example_arguments_are_named(example, arguments, message):
+def test_bad_example_arguments_are_named(example, arguments, message, request):
+    code, output = bad_argument_outcomes(request, example)[tuple(arguments)]
+    assert code != 0 and message in output, output[-2000:]
+
+
+_BAD_ARGUMENT_OUTCOMES = {}
+
+
+def bad_argument_outcomes(request, example):
+    """``{arguments: (exit code, output)}`` of the example given each argument list of this test selected
+    in the session: all in one Python process (tests/workers/each_argv.py), which starts torch or
+    TensorFlow once, not once per list."""
     import subprocess
     import sys
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", example), *arguments],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode != 0 and message in done.stdout + done.stderr, done.stderr[-2000:]
+    if example not in _BAD_ARGUMENT_OUTCOMES:
+        lists = [item.callspec.params["arguments"] for item in request.session.items
+                 if getattr(item, "originalname", None) == request.node.originalname
+                 and item.callspec.params["example"] == example]
+        done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "workers", "each_argv.py"),
+                               os.path.join(ROOT, "examples", example), json.dumps(lists)],
+                              capture_output=True, text=True, timeout=300 + 60 * len(lists))
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        _BAD_ARGUMENT_OUTCOMES[example] = {tuple(a): (c, o) for a, c, o in json.loads(done.stdout.splitlines()[-1])}
+    return _BAD_ARGUMENT_OUTCOMES[example]
 
 
 def test_the_demo_explains_its_arguments_and_refuses_compression_and_outputs():

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from hvd_scalecom.sim import Dense, ScaleCom, Simulator
+from jobs import add_run
 
 NAMES = ["hidden.weight", "hidden.bias", "out.weight", "out.bias"]
 SIZE = 3
@@ -61,10 +62,15 @@ CASES = {
 }
 
 
+for case, (opts, _, _) in CASES.items():  # runs of the job torch_np3 (tests/jobs.py)
+    add_run("torch_np3", f"simulator_{case}", "torch_scalecom.py", opts, ["test_simulator_reproduces_horovodrun"],
+            timeout=240)
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_simulator_reproduces_horovodrun(horovod_job, case):
+def test_simulator_reproduces_horovodrun(horovod_jobs, case):
     opts, rtol, atol = CASES[case]
-    results, _ = horovod_job("torch_scalecom.py", opts, np=SIZE, timeout=240)
+    results = horovod_jobs("torch_np3").completed(f"simulator_{case}")
     assert len(results) == SIZE
 
     # Open loop: the job's raw gradients through the simulator give the job's applied gradients.

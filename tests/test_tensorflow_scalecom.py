@@ -10,6 +10,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
+from jobs import add_run
 from reference import scalecom_reference
 
 NAMES = ["hidden.weight", "hidden.bias", "out.weight", "out.bias"]
@@ -105,30 +106,36 @@ def timeline_collectives(path):
     return {name: (counts[name], shapes_seen[name]) for name in names.values()}
 
 
-# One 10-step tf.function job on 2 ranks serves the reference/timeline test and, through the
-# checkpoint it writes after step 5, the checkpoint test (a launch less).
+# The runs of the TensorFlow workers share the jobs tf_np2, tf_np3, tf_np2_mpi and tf_np3_mpi of
+# tests/jobs.py, one after another in the same processes. One 10-step tf.function run on 2 ranks serves
+# the reference/timeline test and, through the checkpoint it writes after step 5, the checkpoint test:
+# it is the only run of tf_np2_timeline; tf_np2 runs after it (the resumed run, in new processes).
 STRAIGHT = {"ratio": 0.05, "beta": 0.3, "warmup_steps": 2, "min_numel": 600, "mode": "function",
             "steps": 10}
+add_run("tf_np2_timeline", "tf_straight", "tf_scalecom.py",
+        {**STRAIGHT, "checkpoint_at": 5, "state_round_trip": True, "tensorboard": True},
+        ["test_function_matches_reference_and_moves_k_values", "test_log_stats_writes_what_stats_returns",
+         "test_checkpoint_round_trip_continues_identically"], timeout=600)
+add_run("tf_np2", "tf_resumed", "tf_scalecom.py",
+        lambda root: {**STRAIGHT, "steps": 5, "first_step": 5, "resume_from": str(root / "tf_straight")},
+        ["test_checkpoint_round_trip_continues_identically"])
 
 
-@pytest.fixture(scope="module")
-def straight_run(tmp_path_factory):
-    from devtools.launch import run
-    out_dir = tmp_path_factory.mktemp("straight")
-    opts = {**STRAIGHT, "checkpoint_at": 5, "state_round_trip": True, "tensorboard": True}
-    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "tf_scalecom.py")
-    run([worker, json.dumps(opts), str(out_dir)], np=2, timeout=300,
-        env={"HOROVOD_TIMELINE": str(out_dir / "timeline.json")})
-    results = []
-    for rank in range(2):
-        with np.load(out_dir / f"rank{rank}.npz", allow_pickle=False) as data:
-            results.append({k: data[k] for k in data.files})
-    return results, out_dir
+@pytest.fixture
+def straight_run(horovod_jobs):
+    """The straight run's per-rank results, its folder and the job's timeline."""
+    job = horovod_jobs("tf_np2_timeline")
+    return job.completed("tf_straight"), job.root / "tf_straight", job.timeline
+
+
+def tf_run(job, part, opts, tests, worker="tf_scalecom.py", timeout=600, **kwargs):
+    """A run of a TensorFlow worker (tracing on a loaded machine can take minutes: a limit of 10)."""
+    add_run(job, part, worker, opts, tests, timeout=timeout, **kwargs)
 
 
 def test_function_matches_reference_and_moves_k_values(straight_run):
     """tf.function step, 2 ranks, 2 warm-up steps, beta < 1; the timeline shows what Horovod moved."""
-    results, out_dir = straight_run
+    results, out_dir, timeline = straight_run
     steps, warmup = STRAIGHT["steps"], STRAIGHT["warmup_steps"]
     applied, memories = check_against_reference(results, STRAIGHT, steps=steps)
     check_identical_weights(results)
@@ -145,7 +152,7 @@ def test_function_matches_reference_and_moves_k_values(straight_run):
     # Horovod's timeline: after warm-up only k-sized values and indices travel for the big tensors.
     k_hidden, k_out = 154, 32  # ceil(0.05 * 3072), ceil(0.05 * 640)
     count, seen = defaultdict(int), defaultdict(set)
-    for name, (n, shapes_moved) in timeline_collectives(out_dir / "timeline.json").items():
+    for name, (n, shapes_moved) in timeline_collectives(timeline).items():
         leaf = name.rsplit("/", 1)[-1]
         kind = ("indices" if "_indices_" in leaf else "warmup dense" if "_dense_" in leaf
                 else "values" if "EnsureShape" in leaf else "initial weights"
@@ -177,18 +184,22 @@ def test_function_matches_reference_and_moves_k_values(straight_run):
 
 def test_log_stats_writes_what_stats_returns(straight_run):
     """log_stats after every step of the tf.function job: TensorBoard holds stats() per step."""
-    results, out_dir = straight_run
+    results, out_dir, _ = straight_run
     check_logged_stats(results, out_dir, range(STRAIGHT["steps"]))
     warm, compressed = tensorboard_scalars(os.path.join(out_dir, "tb0"))[1], \
         tensorboard_scalars(os.path.join(out_dir, "tb0"))[STRAIGHT["steps"] - 1]
     assert warm["scalecom/index_bytes"] == 0 and compressed["scalecom/index_bytes"] == 4 * (154 + 32)
 
 
-def test_eager_matches_reference_allreduce_exchange(horovod_job):
+EAGER_ALLREDUCE = {"ratio": 0.05, "beta": 1.0, "warmup_steps": 1, "min_numel": 600, "steps": 6,
+                   "mode": "eager", "index_exchange": "allreduce"}
+tf_run("tf_np3", "tf_eager_allreduce", EAGER_ALLREDUCE, ["test_eager_matches_reference_allreduce_exchange"])
+
+
+def test_eager_matches_reference_allreduce_exchange(horovod_jobs):
     """Eager step (Horovod traces its own reduction function), 3 ranks, beta = 1, indices summed."""
-    opts = {"ratio": 0.05, "beta": 1.0, "warmup_steps": 1, "min_numel": 600, "steps": 6,
-            "mode": "eager", "index_exchange": "allreduce"}
-    results, _ = horovod_job("tf_scalecom.py", opts, np=3)
+    opts = EAGER_ALLREDUCE
+    results = horovod_jobs("tf_np3").completed("tf_eager_allreduce")
     applied, _ = check_against_reference(results, opts, steps=6)
     check_identical_weights(results)
     assert density(applied[0], "hidden.weight") == 1.0
@@ -197,23 +208,37 @@ def test_eager_matches_reference_allreduce_exchange(horovod_job):
     assert stats["index_bytes"] == 4 * (154 + 1 + 32 + 1) and stats["value_bytes"] == 4 * (154 + 32)
 
 
-def test_function_on_three_ranks_broadcasts_from_every_root_and_matches_reference(horovod_job):
+THREE_ROOTS = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 7, "mode": "function"}
+tf_run("tf_np3", "tf_three_roots", THREE_ROOTS,
+       ["test_function_on_three_ranks_broadcasts_from_every_root_and_matches_reference"])
+
+
+def test_function_on_three_ranks_broadcasts_from_every_root_and_matches_reference(horovod_jobs):
     """tf.function with the default broadcast exchange on 3 ranks: the leaders of steps 1-6 are
     ranks 1, 2, 0, 1, 2, 0, so every branch of the switch_case over roots runs."""
-    opts = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 7, "mode": "function"}
-    results, _ = horovod_job("tf_scalecom.py", opts, np=3)
+    opts = THREE_ROOTS
+    results = horovod_jobs("tf_np3").completed("tf_three_roots")
     applied, _ = check_against_reference(results, opts, steps=7)
     check_identical_weights(results)
     assert [density(applied[t], "hidden.weight") == 1.0 for t in range(7)] == [True] + [False] * 6
 
 
+def allgather_opts(mode, pipelined):
+    return {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 5, "mode": mode,
+            "index_exchange": "allgather", "pipelined": pipelined}
+
+
+for mode, ranks, pipelined in [("function", 3, False), ("eager", 2, True)]:
+    tf_run(f"tf_np{ranks}", f"tf_allgather_{mode}", allgather_opts(mode, pipelined),
+           ["test_allgather_exchange_matches_reference"])
+
+
 @pytest.mark.parametrize("mode, ranks, pipelined", [("function", 3, False), ("eager", 2, True)])
-def test_allgather_exchange_matches_reference(horovod_job, mode, ranks, pipelined):
+def test_allgather_exchange_matches_reference(horovod_jobs, mode, ranks, pipelined):
     """index_exchange="allgather": the leader gives its k indices, the others none. On 3 ranks every
     rank leads in turn (tf.function); pipelined (eager, 2 ranks) shares the next step's indices too."""
-    opts = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 5, "mode": mode,
-            "index_exchange": "allgather", "pipelined": pipelined}
-    results, _ = horovod_job("tf_scalecom.py", opts, np=ranks)
+    opts = allgather_opts(mode, pipelined)
+    results = horovod_jobs(f"tf_np{ranks}").completed(f"tf_allgather_{mode}")
     applied, _ = check_against_reference(results, opts, steps=5)
     check_identical_weights(results)
     assert [density(applied[t], "hidden.weight") == 1.0 for t in range(5)] == [True] + [False] * 4
@@ -221,37 +246,54 @@ def test_allgather_exchange_matches_reference(horovod_job, mode, ranks, pipeline
     assert stats["index_bytes"] == 4 * (154 + 32) and stats["value_bytes"] == 4 * (154 + 32)
 
 
+def mpi_opts(mode, exchange):
+    return {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 5, "mode": mode,
+            "index_exchange": exchange}
+
+
+for mode, ranks, exchange in [("function", 3, "broadcast"), ("eager", 2, "allgather")]:
+    tf_run(f"tf_np{ranks}_mpi", f"tf_mpi_{mode}", mpi_opts(mode, exchange), ["test_mpi_controller_matches_reference"])
+
+
 @pytest.mark.parametrize("mode, ranks, exchange", [("function", 3, "broadcast"), ("eager", 2, "allgather")])
-def test_mpi_controller_matches_reference(horovod_job, mode, ranks, exchange):
+def test_mpi_controller_matches_reference(horovod_jobs, mode, ranks, exchange):
     """Under MPI (horovodrun --mpi, Open MPI carrying the collectives) as under Gloo: broadcasts from
     every root in turn in a tf.function, the leader-only allgather in eager steps."""
-    opts = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 5, "mode": mode,
-            "index_exchange": exchange}
-    results, _ = horovod_job("tf_scalecom.py", opts, np=ranks, controller="mpi")
+    opts = mpi_opts(mode, exchange)
+    results = horovod_jobs(f"tf_np{ranks}_mpi").completed(f"tf_mpi_{mode}")
     assert len(results) == ranks and not any(bool(r["gloo"]) for r in results)
     applied, _ = check_against_reference(results, opts, steps=5)
     check_identical_weights(results)
     assert [density(applied[t], "hidden.weight") == 1.0 for t in range(5)] == [True] + [False] * 4
 
 
-def test_horovods_optimizer_wrapper_around_a_compat_v1_optimizer_matches_reference(horovod_job):
+V1_OPTIMIZER = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 5,
+                "mode": "v1_optimizer", "lr": 1.0}
+tf_run("tf_np2", "tf_v1_optimizer", V1_OPTIMIZER,
+       ["test_horovods_optimizer_wrapper_around_a_compat_v1_optimizer_matches_reference"])
+
+
+def test_horovods_optimizer_wrapper_around_a_compat_v1_optimizer_matches_reference(horovod_jobs):
     """hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer, compression=ScaleCom)
     (around a Keras 3 optimizer it reduces nothing: the README says so)."""
-    opts = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 5,
-            "mode": "v1_optimizer", "lr": 1.0}
-    results, _ = horovod_job("tf_scalecom.py", opts, np=2)
+    opts = V1_OPTIMIZER
+    results = horovod_jobs("tf_np2").completed("tf_v1_optimizer")
     check_against_reference(results, opts, steps=5, rtol=1e-4, atol=1e-6)
     check_identical_weights(results)
     assert json.loads(str(results[0]["stats"]))["total"]["tensors"] == 4 * 5
 
 
-def test_pipelined_matches_reference(horovod_job):
+PIPELINED = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 6,
+             "mode": "function", "leader": "staggered", "pipelined": True, "state_round_trip": True}
+tf_run("tf_np2", "tf_pipelined", PIPELINED, ["test_pipelined_matches_reference"])
+
+
+def test_pipelined_matches_reference(horovod_jobs):
     """pipelined=True, 2 ranks, staggered leader, 1 warm-up step: step t uses the indices its
     leader chose at step t - 1 (fresh at the first compressed step); state_dict() holds those chosen
     for the step after the last one, and a new ScaleCom loading it gives them back."""
-    opts = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 6,
-            "mode": "function", "leader": "staggered", "pipelined": True, "state_round_trip": True}
-    results, _ = horovod_job("tf_scalecom.py", opts, np=2)
+    opts = PIPELINED
+    results = horovod_jobs("tf_np2").completed("tf_pipelined")
     applied, _ = check_against_reference(results, opts, steps=6)
     check_identical_weights(results)
     # Control: these updates are not those of exact (not pipelined) ScaleCom.
@@ -273,12 +315,16 @@ def test_pipelined_matches_reference(horovod_job):
     assert stats["total"]["index_bytes"] == 4 * (154 + 32) * (5 + 1)
 
 
-def test_a_summing_tape_sums_in_warm_up_and_compressed_steps(horovod_job):
+SUMMING = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 2, "min_numel": 600, "steps": 4,
+           "mode": "function", "op": "sum"}
+tf_run("tf_np2", "tf_summing", SUMMING, ["test_a_summing_tape_sums_in_warm_up_and_compressed_steps"])
+
+
+def test_a_summing_tape_sums_in_warm_up_and_compressed_steps(horovod_jobs):
     """op=hvd.Sum given to the tape and to ScaleCom: warm-up steps (reduced densely by ScaleCom
     itself) and compressed ones both apply the sum over ranks, twice the reference's mean."""
-    opts = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 2, "min_numel": 600, "steps": 4,
-            "mode": "function", "op": "sum"}
-    results, _ = horovod_job("tf_scalecom.py", opts, np=2)
+    opts = SUMMING
+    results = horovod_jobs("tf_np2").completed("tf_summing")
     applied, _ = check_against_reference(results, opts, steps=4, times=2)
     assert density(applied[0], "hidden.weight") == 1.0 and density(applied[3], "hidden.weight") < 0.1
     check_identical_weights(results)
@@ -321,12 +367,16 @@ def test_an_embedding_gradient_densified_outside_tf_function_is_matched_to_its_v
     assert one_rank(code, "EAGER ", "FUNCTION ") == ["EAGER True", "FUNCTION True"]
 
 
-def test_an_embedding_first_among_variables_trains_as_the_reference_eagerly_and_traced(horovod_job):
+tf_run("tf_np2", "tf_embedding", {}, ["test_an_embedding_first_among_variables_trains_as_the_reference_eagerly_and_traced"],
+       worker="tf_embedding.py")
+
+
+def test_an_embedding_first_among_variables_trains_as_the_reference_eagerly_and_traced(horovod_jobs):
     """2 ranks, an embedding (variable #0) and a dense layer, sparse_as_dense=True, one warm-up step:
     eagerly (Horovod's own tf.function, where the densified gradient's shape is (None, 16)) and in a
     tf.function, every step applies the reference's update. (Eagerly, the step check of variable #0
     was built in its gradient's cond branch, out of reach of the next variable's: InaccessibleTensorError.)"""
-    results, _ = horovod_job("tf_embedding.py", {}, np=2)
+    results = horovod_jobs("tf_np2").completed("tf_embedding")
     assert len(results) == 2
     for mode in ("eager", "function"):
         for rank, r in enumerate(results):
@@ -492,7 +542,7 @@ def one_rank(code, *prefixes):
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return [ln for ln in done.stdout.splitlines() if ln.startswith(prefixes)]
 
@@ -584,7 +634,12 @@ def test_an_eager_step_refused_part_way_is_refused_until_a_restore():
         "STALLED True", "RESTORED True [3, 3, 3] True"]
 
 
-def test_refused_steps_through_the_tape_change_nothing_and_grouped_fp16_values_are_refused(horovod_job):
+tf_run("tf_np2", "tf_refusals", {},
+       ["test_refused_steps_through_the_tape_change_nothing_and_grouped_fp16_values_are_refused"],
+       worker="tf_refusals.py", timeout=600)
+
+
+def test_refused_steps_through_the_tape_change_nothing_and_grouped_fp16_values_are_refused(horovod_jobs):
     """2 ranks, hvd.DistributedGradientTape, which compresses each gradient in a tf.cond branch of
     its own: a step refused because a sparse gradient bypassed compress leaves every variable's
     counter, tally, memory and stats() as they were, on every rank, and Horovod works on after it.
@@ -598,7 +653,7 @@ def test_refused_steps_through_the_tape_change_nothing_and_grouped_fp16_values_a
     with DistributedOptimizer is refused at the next step, before anything changes. A Keras model with a
     layer the loss does not use (None gradients) is refused at its first step by both helpers, before
     anything changes."""
-    results, _ = horovod_job("tf_refusals.py", {}, np=2)
+    results = horovod_jobs("tf_np2").completed("tf_refusals")
     assert len(results) == 2
     for rank, r in enumerate(results):
         assert "did not reach compress" in str(r["bypass/error"]), f"rank {rank}"
@@ -650,14 +705,21 @@ def test_refused_steps_through_the_tape_change_nothing_and_grouped_fp16_values_a
             assert list(r[f"unused/{how}/steps"]) == [0] * 6, f"rank {rank}, {how}"
 
 
-def test_staggered_leader_fp16_values_threshold_selection_process_set(horovod_job, tmp_path):
+PROCESS_SET = {"ratio": 0.01, "beta": 0.3, "min_numel": 600, "steps": 5, "leader": "staggered",
+               "value_dtype": "float16", "index_dtype": "int32", "selection": "threshold",
+               "hidden": 1400, "mode": "function", "process_set": [0, 2]}
+tf_run("tf_np3", "tf_process_set", PROCESS_SET, ["test_staggered_leader_fp16_values_threshold_selection_process_set"],
+       first=True)  # (its hvd.init registers the process set: first in the job)
+
+
+def test_staggered_leader_fp16_values_threshold_selection_process_set(horovod_jobs):
     """3 ranks, training on the process set {0, 2} (broadcast roots are global ranks), a hidden
     layer of 67,200 entries (so "threshold" runs its sampled path). Rank 1, outside the set, runs the
     same steps: Horovod's tape hands it its own gradients, as it does without ScaleCom."""
-    opts = {"ratio": 0.01, "beta": 0.3, "min_numel": 600, "steps": 5, "leader": "staggered",
-            "value_dtype": "float16", "index_dtype": "int32", "selection": "threshold",
-            "hidden": 1400, "mode": "function", "process_set": [0, 2]}
-    results, _ = horovod_job("tf_scalecom.py", opts, np=3, out_dir=tmp_path)
+    opts = PROCESS_SET
+    job = horovod_jobs("tf_np3")
+    results = job.completed("tf_process_set", size=2)
+    tmp_path = job.root / "tf_process_set"
     assert len(results) == 2  # ranks 0 and 2
     # (before: rank 1 failed in ScaleCom's agreement allgather, "Rank 1 is not a member of the provided process set")
     outsider = dict(np.load(tmp_path / "outsider1.npz", allow_pickle=False))
@@ -676,31 +738,46 @@ def test_staggered_leader_fp16_values_threshold_selection_process_set(horovod_jo
     assert stats["dense_bytes"] == 4 * 10
 
 
-def test_keras_helpers_match_reference(horovod_job, tmp_path):
+KERAS_HELPERS = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 7,
+                 "mode": "keras", "lr": 1.0, "eager_from": 3, "fit_from": 5, "tensorboard": True,
+                 "loss_scale_factor": 128.0}
+tf_run("tf_np2", "tf_keras_helpers", KERAS_HELPERS, ["test_keras_helpers_match_reference"])
+
+
+def test_keras_helpers_match_reference(horovod_jobs):
     """One Keras 3 model and one ScaleCom: make_train_step as a tf.function (steps 0-2), eagerly
     (3-4), then model.fit with DistributedOptimizer (5-6). The applied update is the reference's.
     The LogStats callback writes stats() during fit, at the optimizer's iterations 1 and 2. The
     optimizers have loss_scale_factor=128: the gradients ScaleCom compresses are the loss-scaled
     ones, and the optimizer's apply divides the scale out again."""
-    opts = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 7,
-            "mode": "keras", "lr": 1.0, "eager_from": 3, "fit_from": 5, "tensorboard": True,
-            "loss_scale_factor": 128.0}
-    results, _ = horovod_job("tf_scalecom.py", opts, np=2, out_dir=tmp_path)
+    opts = KERAS_HELPERS
+    job = horovod_jobs("tf_np2")
+    results = job.completed("tf_keras_helpers")
+    tmp_path = job.root / "tf_keras_helpers"
     check_against_reference(results, opts, steps=7, rtol=1e-4, atol=2e-6)
     check_identical_weights(results)
     check_logged_stats(results, tmp_path, [1, 2])
 
 
+def per_execution_opts(per_execution, pipelined):
+    return {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 5, "mode": "keras",
+            "lr": 1.0, "fit_from": 0, "steps_per_execution": per_execution, "pipelined": pipelined}
+
+
+for ranks, per_execution, pipelined, _ in [(2, 2, False, 3), (3, 3, True, 2)]:
+    tf_run(f"tf_np{ranks}", f"tf_per_execution_{per_execution}", per_execution_opts(per_execution, pipelined),
+           ["test_keras_fit_with_steps_per_execution_matches_reference"])
+
+
 @pytest.mark.parametrize("ranks, per_execution, pipelined, executions",
                          [(2, 2, False, 3), (3, 3, True, 2)])
-def test_keras_fit_with_steps_per_execution_matches_reference(horovod_job, ranks, per_execution,
+def test_keras_fit_with_steps_per_execution_matches_reference(horovod_jobs, ranks, per_execution,
                                                              pipelined, executions):
     """model.fit with DistributedOptimizer and steps_per_execution > 1, which runs the steps of an
     execution in a tf.while_loop: 5 steps in executions of 2, 2 and 1 (2 ranks) or of 3 and 2
     (3 ranks, pipelined); the model keeps its weights after each step: each update is the reference's."""
-    opts = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 5, "mode": "keras",
-            "lr": 1.0, "fit_from": 0, "steps_per_execution": per_execution, "pipelined": pipelined}
-    results, _ = horovod_job("tf_scalecom.py", opts, np=ranks)
+    opts = per_execution_opts(per_execution, pipelined)
+    results = horovod_jobs(f"tf_np{ranks}").completed(f"tf_per_execution_{per_execution}")
     assert all(len(r["fit_executions"]) == executions for r in results)
     applied, _ = check_against_reference(results, opts, steps=5, rtol=1e-4, atol=2e-6)
     with pytest.raises(AssertionError):  # (control: the check tells exact from pipelined ScaleCom)
@@ -710,15 +787,24 @@ def test_keras_fit_with_steps_per_execution_matches_reference(horovod_job, ranks
     assert all(list(r["steps"]) == [5] * 4 for r in results)
 
 
+def loss_scale_opts(policy):
+    return {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 4, "mode": "keras",
+            "lr": 1.0, "fit_from": 0, "loss_scale": 1024.0, "policy": policy, "state_round_trip": True}
+
+
+for policy in [None, "mixed_float16"]:
+    tf_run("tf_np2", f"tf_loss_scale_{policy}", loss_scale_opts(policy),
+           ["test_keras_fit_with_a_loss_scale_optimizer_matches_reference"])
+
+
 @pytest.mark.parametrize("policy", [None, "mixed_float16"])
-def test_keras_fit_with_a_loss_scale_optimizer_matches_reference(horovod_job, policy):
+def test_keras_fit_with_a_loss_scale_optimizer_matches_reference(horovod_jobs, policy):
     """model.fit with DistributedOptimizer(LossScaleOptimizer(SGD), ScaleCom), 2 ranks, under a
     float32 or a mixed_float16 policy (which then adds no LossScaleOptimizer of its own): the updates
     are the reference's, and ScaleCom's memories hold the gradients of the scaled loss, the
     reference's times the scale (1024 all along)."""
-    opts = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 4, "mode": "keras",
-            "lr": 1.0, "fit_from": 0, "loss_scale": 1024.0, "policy": policy, "state_round_trip": True}
-    results, _ = horovod_job("tf_scalecom.py", opts, np=2)
+    opts = loss_scale_opts(policy)
+    results = horovod_jobs("tf_np2").completed(f"tf_loss_scale_{policy}")
     applied, memories = check_against_reference(results, opts, steps=4, rtol=1e-4, atol=2e-6)
     check_identical_weights(results)
     assert density(applied[3], "hidden.weight") == pytest.approx(0.05, abs=0.002)
@@ -730,11 +816,10 @@ def test_keras_fit_with_a_loss_scale_optimizer_matches_reference(horovod_job, po
                                    err_msg=f"rank {rank}")
 
 
-def test_checkpoint_round_trip_continues_identically(horovod_job, straight_run, tmp_path):
+def test_checkpoint_round_trip_continues_identically(horovod_jobs, straight_run):
     """10 steps straight equal 5 steps, a tf.train.Checkpoint, new processes, and 5 more steps."""
-    straight, straight_dir = straight_run
-    resumed, _ = horovod_job("tf_scalecom.py", {**STRAIGHT, "steps": 5, "first_step": 5,
-                                                "resume_from": str(straight_dir)}, np=2)
+    straight, _, _ = straight_run
+    resumed = horovod_jobs("tf_np2").completed("tf_resumed")
     # Dense reductions may be fused differently from run to run: sums may differ in the last bit.
     for rank in range(2):
         for n in NAMES:
@@ -1016,12 +1101,17 @@ EXPECTED_DIFFERENCE = {"ratio": {2: "ratio", 3: "index_exchange, ratio"},
                        "steps": {2: "steps"}}
 
 
+for size in [2, 3]:
+    tf_run(f"tf_np{size}", f"tf_agreement_np{size}", {"cases": AGREEMENT_CASES[size]},
+           ["test_ranks_that_disagree_all_get_one_clear_error"], worker="tf_agreement.py", timeout=600)
+
+
 @pytest.mark.parametrize("size", [2, 3])
-def test_ranks_that_disagree_all_get_one_clear_error(horovod_job, size):
+def test_ranks_that_disagree_all_get_one_clear_error(horovod_jobs, size):
     """Differing ratio, beta, index exchange, variable shapes or ScaleCom objects built before (a
     tf.function step and an eager one): every rank raises the same ValueError at the first step; agreeing ranks train on."""
     cases = AGREEMENT_CASES[size]
-    results, _ = horovod_job("tf_agreement.py", {"cases": cases}, np=size)
+    results = horovod_jobs(f"tf_np{size}").completed(f"tf_agreement_np{size}")
     assert len(results) == size
     for case in cases[:-1]:
         label = case["label"]
@@ -1054,16 +1144,21 @@ def test_ranks_that_disagree_all_get_one_clear_error(horovod_job, size):
     assert density(applied[1], "hidden.weight") == pytest.approx(0.05, abs=0.002)
 
 
-def test_step_counters_that_part_mid_job_stop_every_rank_alike(horovod_job):
+SKEWED_CASES = [{"label": exchange, "steps": 3, "eager": exchange == "allgather",
+                 "per_rank": {"0": {"index_exchange": exchange},
+                              "1": {"index_exchange": exchange, "skew_steps_at": 1}}}
+                for exchange in ("allreduce", "allgather")]
+tf_run("tf_np2", "tf_skewed_counters", {"cases": SKEWED_CASES},
+       ["test_step_counters_that_part_mid_job_stop_every_rank_alike"], worker="tf_agreement.py")
+
+
+def test_step_counters_that_part_mid_job_stop_every_rank_alike(horovod_jobs):
     """Rank 1 restores a state one step ahead at step 1, after the first step's comparison: no rank
     then leads step 1 (rank 0 takes rank 1 for its leader, rank 1 rank 0). The allreduce's count of
     leaders and the allgather's length show it, and every rank raises the same error (a broadcast
     from two roots is Horovod's own error)."""
-    cases = [{"label": exchange, "steps": 3, "eager": exchange == "allgather",
-              "per_rank": {"0": {"index_exchange": exchange},
-                           "1": {"index_exchange": exchange, "skew_steps_at": 1}}}
-             for exchange in ("allreduce", "allgather")]
-    results, _ = horovod_job("tf_agreement.py", {"cases": cases}, np=2)
+    cases = SKEWED_CASES
+    results = horovod_jobs("tf_np2").completed("tf_skewed_counters")
     for case in cases:
         errors = [str(r[f"{case['label']}/error"]) for r in results]
         found = [re.search(r"\[ScaleCom: the index exchange of (\S+) found this many leaders of the step, not "
@@ -1074,27 +1169,44 @@ def test_step_counters_that_part_mid_job_stop_every_rank_alike(horovod_job):
         assert all(f"{case['label']}/applied/1/hidden.weight" not in r for r in results)
 
 
-def test_example_checkpoint_resume_continues_identically(tmp_path):
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "tensorflow_scalecom.py")
+
+
+def example_run(name, *extra, job="ex_tf_np2", fails=False):
+    """A run of examples/tensorflow_scalecom.py in ``job``, writing ``<root>/tf_example/<name>.json``."""
+    def arguments(root):
+        folder = root / "tf_example"
+        folder.mkdir(exist_ok=True)
+        return ["--compression", "scalecom", "--ratio", "0.01", "--beta", "0.5", "--warmup-steps", "3",
+                "--pipelined", "--result", str(folder / f"{name}.json"),
+                *(str(folder / "ckpt") if e == "{ckpt}" else e for e in extra)]
+    add_run(job, f"tf_example_{name}", EXAMPLE, arguments,
+            ["test_example_checkpoint_resume_continues_identically"], fails=fails, timeout=600)
+
+
+example_run("straight", "--epochs", "2")
+example_run("first", "--epochs", "1", "--checkpoint", "{ckpt}")
+example_run("resumed", "--epochs", "2", "--checkpoint", "{ckpt}", "--resume", job="ex_tf_np2_b")  # (new processes)
+example_run("other", "--epochs", "3", "--checkpoint", "{ckpt}", "--resume", "--compression", "fp16",
+            job="ex_tf_np2_b", fails=True)
+
+
+def test_example_checkpoint_resume_continues_identically(horovod_jobs):
     """examples/tensorflow_scalecom.py: 2 epochs straight equal 1 epoch, --checkpoint, then --resume
     in new processes for the second (per-rank ScaleCom memories, model and optimizer restored, and,
     pipelined, the indices chosen for the first step after the checkpoint)."""
-    from devtools.launch import run
-    example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
-                           "tensorflow_scalecom.py")
-    common = ["--compression", "scalecom", "--ratio", "0.01", "--beta", "0.5", "--warmup-steps", "3",
-              "--pipelined"]
+    job, resuming = horovod_jobs("ex_tf_np2"), horovod_jobs("ex_tf_np2_b")
 
-    def result(name, *extra):
-        path = tmp_path / f"{name}.json"
-        output = run([example, *common, "--result", str(path), *extra], np=2, timeout=300)
-        with open(path) as f:
-            return json.load(f), output
+    def result(job, name):
+        job.completed(f"tf_example_{name}", 0)  # (the example writes no npz)
+        with open(job.root / "tf_example" / f"{name}.json") as f:
+            return json.load(f)
 
-    straight, _ = result("straight", "--epochs", "2")
-    first, _ = result("first", "--epochs", "1", "--checkpoint", str(tmp_path / "ckpt"))
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["rank0", "rank1"]
-    resumed, output = result("resumed", "--epochs", "2", "--checkpoint", str(tmp_path / "ckpt"),
-                             "--resume")
+    straight = result(job, "straight")
+    first = result(job, "first")
+    assert sorted(os.listdir(job.root / "tf_example" / "ckpt")) == ["rank0", "rank1"]
+    resumed = result(resuming, "resumed")
+    output = resuming.output_of("tf_example_resumed")
     assert "after epoch 1" in output and first["epochs"] == 1 and resumed["epochs"] == 2
     # Dense reductions may be fused differently from run to run: sums may differ in the last bit.
     assert resumed["loss"] == pytest.approx(straight["loss"], rel=1e-5)
@@ -1102,13 +1214,20 @@ def test_example_checkpoint_resume_continues_identically(tmp_path):
     assert resumed["accuracy"] == straight["accuracy"]
     assert resumed["loss"] != pytest.approx(first["loss"], rel=1e-3)  # it did train on
     from devtools.launch import HorovodRunError  # another --compression would drop the memories
-    with pytest.raises(HorovodRunError, match="--compression fp16: the checkpoint in .* was trained "
-                                              "with --compression scalecom; resume with that"):
-        result("other", "--epochs", "3", "--checkpoint", str(tmp_path / "ckpt"), "--resume", "--compression", "fp16")
+    assert isinstance(resuming.error, HorovodRunError)
+    report = resuming.failure("tf_example_other")
+    assert re.search("--compression fp16: the checkpoint in .* was trained with --compression scalecom; "
+                     "resume with that", report), report[-3000:]
+
+
+for poisoned, pipelined in [(0, False), (1, False), (0, True)]:
+    tf_run("tf_np2", f"tf_nonfinite_{poisoned}_{pipelined}",
+           {"steps": 6, "poison": {"rank": poisoned, "step": 3}, "skip_nonfinite": True, "pipelined": pipelined},
+           ["test_nonfinite_gradient_skips_the_memory_update_on_every_rank"])
 
 
 @pytest.mark.parametrize("poisoned, pipelined", [(0, False), (1, False), (0, True)])
-def test_nonfinite_gradient_skips_the_memory_update_on_every_rank(horovod_job, poisoned, pipelined):
+def test_nonfinite_gradient_skips_the_memory_update_on_every_rank(horovod_jobs, poisoned, pipelined):
     """A rank gets a NaN input at step 3, so all its gradients are NaN: every rank's reduction of the
     compressed tensors is NaN, every rank skips their memory update (counted in stats()), the worker
     skips that step's update as a loss scaler would, and training then goes on exactly as the
@@ -1116,7 +1235,7 @@ def test_nonfinite_gradient_skips_the_memory_update_on_every_rank(horovod_job, p
     selects step 4's indices in step 3: such a leader selects the top-k of its memory (top_k of
     |m + g| is not defined: the step's NaN made step 4's indices arbitrary)."""
     opts = {"steps": 6, "poison": {"rank": poisoned, "step": 3}, "skip_nonfinite": True, "pipelined": pipelined}
-    results, _ = horovod_job("tf_scalecom.py", opts, np=2)
+    results = horovod_jobs("tf_np2").completed(f"tf_nonfinite_{poisoned}_{pipelined}")
     for r in results:
         assert not np.isfinite(r["applied/3/hidden.weight"]).all()
         assert json.loads(str(r["stats"]))["nonfinite_skips"] == 2  # hidden.weight, out.weight

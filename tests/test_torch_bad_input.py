@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hvd_scalecom.torch import ScaleCom
+from jobs import add_run, define_job
 
 
 def model():
@@ -14,14 +15,28 @@ def model():
     return torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.Linear(30, 2))
 
 
-def failed_job(horovod_job, opts, np=2, env=None):
-    """The report of a ``torch_scalecom.py`` job that must end with an error of its own, not the
-    launcher's timeout."""
+# Each run here must fail, which ends its job: it goes last in a job of passing runs with the same set-up
+# (tests/jobs.py) or, where none is left, in a job of its own.
+def failing_run(part, opts, tests, np=2, job=None, env=None):
+    """A run of ``torch_scalecom.py`` that must fail: last in ``job``, or alone in a job ``bad_<part>``."""
+    if job is None:
+        job = f"bad_{part}"
+        define_job(job, np, env=env)
+    add_run(job, part, "torch_scalecom.py", opts, tests, fails=True, timeout=120)
+    FAILING[part] = job
+
+
+FAILING = {}  # part: its job
+
+
+def failed_job(horovod_jobs, part):
+    """The report of run ``part``, which must end with an error of its own, not a time limit."""
     from devtools.launch import HorovodRunError
-    with pytest.raises(HorovodRunError) as failure:
-        horovod_job("torch_scalecom.py", opts, np=np, timeout=120, env=env)
-    report = str(failure.value)
+    job = horovod_jobs(FAILING[part])
+    assert isinstance(job.error, HorovodRunError), f"run {part} did not fail"
+    report = job.failure(part)
     assert "timed out" not in report.split("\n", 1)[0], report[:2000]
+    assert "Timeout (0:" not in report, report[-4000:]  # (a run's own time limit, tests/workers/sequence.py)
     return report
 
 
@@ -75,25 +90,35 @@ def test_a_parameter_handed_over_names_adasum():
         compression.compress(next(net.parameters()))
 
 
-def test_adasum_is_a_clear_error(horovod_job):
-    report = failed_job(horovod_job, {"op": "adasum", "steps": 1})
+failing_run("adasum", {"op": "adasum", "steps": 1}, ["test_adasum_is_a_clear_error"], job="torch_np2")
+
+
+def test_adasum_is_a_clear_error(horovod_jobs):
+    report = failed_job(horovod_jobs, "adasum")
     assert all("handed a parameter, not its gradient: hvd.DistributedOptimizer was built with op=hvd.Adasum"
                in section(report, rank) for rank in (0, 1))  # ScaleCom's own error, on every rank
 
 
-def test_hvd_join_ends_with_horovod_s_error_not_a_hang(horovod_job):
+failing_run("join", {"steps": 3, "join": True, "per_rank": {"0": {"steps": 1}}},
+            ["test_hvd_join_ends_with_horovod_s_error_not_a_hang"])
+
+
+def test_hvd_join_ends_with_horovod_s_error_not_a_hang(horovod_jobs):
     """Rank 0 joins after one step while rank 1 takes two more: Horovod 0.28.1 refuses the allgather of
     ScaleCom's indices once a rank has joined, and the job ends on both ranks."""
-    rank1 = section(failed_job(horovod_job, {"steps": 3, "join": True, "per_rank": {"0": {"steps": 1}}}), 1)
+    rank1 = section(failed_job(horovod_jobs, "join"), 1)
     assert "Allgather is not supported with Join" in rank1, rank1[-2000:]
 
 
-def test_a_process_set_given_to_the_optimizer_alone_ends_with_a_clear_error(horovod_job):
+failing_run("optimizer_process_set", {"steps": 2, "process_set": [0, 2], "process_set_for_optimizer_only": True},
+            ["test_a_process_set_given_to_the_optimizer_alone_ends_with_a_clear_error"], np=3,
+            env={"HOROVOD_STALL_CHECK_TIME_SECONDS": "3", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "8"})
+
+
+def test_a_process_set_given_to_the_optimizer_alone_ends_with_a_clear_error(horovod_jobs):
     """Rank 1, outside the optimizer's process set, never reduces: ScaleCom's comparison over all
     ranks waits for it, warning at Horovod's stall check interval and raising at its shutdown time."""
-    opts = {"steps": 2, "process_set": [0, 2], "process_set_for_optimizer_only": True}
-    report = failed_job(horovod_job, opts, np=3,
-                        env={"HOROVOD_STALL_CHECK_TIME_SECONDS": "3", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "8"})
+    report = failed_job(horovod_jobs, "optimizer_process_set")
     sections = [section(report, rank) for rank in (0, 2)]
     for printed in sections:
         # (the seconds as waited, rounded: a loaded machine can print 4)
@@ -106,7 +131,7 @@ def test_a_process_set_given_to_the_optimizer_alone_ends_with_a_clear_error(horo
     assert any("RuntimeError: ScaleCom: still waiting after 8 s" in printed for printed in sections)
 
 
-@pytest.mark.parametrize("size, per_rank, differing", [
+DISAGREEING = [
     (2, {"1": {"ratio": 0.02}}, "ratio"),
     (3, {"1": {"ratio": 0.02}}, "ratio"),
     (3, {"2": {"leader": "staggered"}}, "leader"),
@@ -119,56 +144,81 @@ def test_a_process_set_given_to_the_optimizer_alone_ends_with_a_clear_error(horo
     # a loss_scaler given to one rank's ScaleCom only: its memory did not follow the scale (silently)
     (2, {"0": {"loss_scale_schedule": {"0": 1, "1": 1024}},
          "1": {"loss_scale_schedule": {"0": 1, "1": 1024}, "no_loss_scaler": True}}, "loss_scaler"),
-])
-def test_ranks_that_disagree_all_get_one_clear_error(horovod_job, size, per_rank, differing):
-    report = failed_job(horovod_job, {"steps": 2, "per_rank": per_rank}, np=size)
+]
+# (a configuration that disagrees stops every rank at the first step: a job's stall settings do not matter)
+SHARED = {0: "torch_np2_stall", 1: "torch_np3_stall", 2: "torch_np3_native_off"}
+for i, (size, per_rank, _) in enumerate(DISAGREEING):
+    failing_run(f"disagreeing_{i}", {"steps": 2, "per_rank": per_rank},
+                ["test_ranks_that_disagree_all_get_one_clear_error"], np=size, job=SHARED.get(i))
+
+
+@pytest.mark.parametrize("case", range(len(DISAGREEING)))
+def test_ranks_that_disagree_all_get_one_clear_error(horovod_jobs, case):
+    size, per_rank, differing = DISAGREEING[case]
+    report = failed_job(horovod_jobs, f"disagreeing_{case}")
     for rank in range(size):
         assert f"ScaleCom is configured differently on different ranks ({differing} differ" in section(report, rank)
 
 
+for size in [2, 3]:
+    failing_run(f"skewed_counters_np{size}", {"steps": 3, "per_rank": {"1": {"skew_steps_at": 1}}},
+                ["test_step_counters_that_part_after_the_first_step_stop_every_rank_with_one_error"], np=size)
+
+
 @pytest.mark.parametrize("size", [2, 3])
-def test_step_counters_that_part_after_the_first_step_stop_every_rank_with_one_error(horovod_job, size):
+def test_step_counters_that_part_after_the_first_step_stop_every_rank_with_one_error(horovod_jobs, size):
     """Rank 1 loads a state one step ahead after step 0 (past the configuration check): no rank then
     leads step 1's first compressed tensor in the others' eyes, the index allgather delivers no
     indices, and every rank raises the same ValueError (before, each trained on with zero updates,
     and ranks whose counters made two leaders applied different indices, silently)."""
-    report = failed_job(horovod_job, {"steps": 3, "per_rank": {"1": {"skew_steps_at": 1}}}, np=size)
+    report = failed_job(horovod_jobs, f"skewed_counters_np{size}")
     for rank in range(size):
         printed = section(report, rank)
         assert re.search(r"ValueError: ScaleCom: the index exchange of '[\w.]+' delivered 0 indices, not k = \d+: "
                          r"the ranks disagree on this step's leader", printed), printed[-2000:]
 
 
-def test_pipelined_indices_saved_for_another_step_are_refused_at_the_load(horovod_job):
+failing_run("next_indices_skewed", {"steps": 4, "pipelined": True, "per_rank": {"1": {"skew_next_indices_at": 2}}},
+            ["test_pipelined_indices_saved_for_another_step_are_refused_at_the_load"])
+
+
+def test_pipelined_indices_saved_for_another_step_are_refused_at_the_load(horovod_jobs):
     """Rank 1 loads a state whose next_indices are for the step after its counters' step. It used to
     exchange fresh indices for that step while rank 0 used the ones chosen ahead: rank 1 waited for
     indices that never came, warning about frozen parameters and warm-up (a hang without a timeout).
     The load refuses the state, naming the parameter and both steps, before it changes anything."""
-    report = failed_job(horovod_job, {"steps": 4, "pipelined": True, "per_rank": {"1": {"skew_next_indices_at": 2}}})
+    report = failed_job(horovod_jobs, "next_indices_skewed")
     rank1 = section(report, 1)
     assert "ValueError: state next_indices of 'hidden.weight' are for step 3, but its step counter is 2" in rank1, \
         rank1[-2000:]
     assert "still waiting" not in report
 
 
-def test_pipelined_indices_restored_on_some_ranks_only_end_with_the_timeout_s_error_naming_them(horovod_job):
+failing_run("next_indices_dropped",
+            {"steps": 4, "pipelined": True, "timeout": 8, "per_rank": {"1": {"drop_next_indices_at": 2}}},
+            ["test_pipelined_indices_restored_on_some_ranks_only_end_with_the_timeout_s_error_naming_them"])
+
+
+def test_pipelined_indices_restored_on_some_ranks_only_end_with_the_timeout_s_error_naming_them(horovod_jobs):
     """Rank 1 restores its state without next_indices at step 2 (a state is valid without them: one
     saved before the first compressed step, or after a resync): it exchanges fresh indices while rank 0
     uses those chosen ahead, which no check between ranks can see. Without a timeout both wait for
     good; with one, rank 1's error names this cause, where it named only frozen parameters, hook orders,
     stopped ranks and warm-up."""
-    opts = {"steps": 4, "pipelined": True, "timeout": 8, "per_rank": {"1": {"drop_next_indices_at": 2}}}
-    rank1 = section(failed_job(horovod_job, opts), 1)
+    rank1 = section(failed_job(horovod_jobs, "next_indices_dropped"), 1)
     assert "still waiting after 8 s for the leader's indices for 'out.weight'" in rank1, rank1[-2000:]
     assert "the ranks restored states of which only some held this parameter's next_indices" in rank1, rank1[-2000:]
 
 
-def test_step_counters_on_either_side_of_warm_up_s_end_end_with_the_timeout_s_error(horovod_job):
+failing_run("warm_up_end_skewed", {"steps": 5, "warmup_steps": 3, "timeout": 8, "per_rank": {"0": {"skew_steps_at": 2}}},
+            ["test_step_counters_on_either_side_of_warm_up_s_end_end_with_the_timeout_s_error"])
+
+
+def test_step_counters_on_either_side_of_warm_up_s_end_end_with_the_timeout_s_error(horovod_jobs):
     """Rank 0 loads a state one step ahead at step 2 of a 3-step warm-up: it waits for the indices of
     step 3 while rank 1 reduces step 2 densely. Without a timeout both would wait for good (as the
     README says); with one, rank 0 raises naming warm-up, and the job ends."""
-    opts = {"steps": 5, "warmup_steps": 3, "timeout": 8, "per_rank": {"0": {"skew_steps_at": 2}}}
-    rank0 = section(failed_job(horovod_job, opts), 0)
+    rank0 = section(failed_job(horovod_jobs, "warm_up_end_skewed"), 0)
     assert "still waiting after 8 s for the leader's indices" in rank0 and "still in warm-up" in rank0, rank0[-2000:]
 
 
@@ -300,7 +350,7 @@ def test_a_gradient_changed_in_place_before_synchronize_is_an_error_on_every_pat
     param.grad = torch.randn(numel)
     values, ctx = compression.compress(param.grad)
     if numel > (1 << 19):  # (the path that writes the new memory over the gradient)
-        assert ctx[6], "the large non-leader case did not take the buffer-trading path"
+        assert ctx.traded, "the large non-leader case did not take the buffer-trading path"
     torch.nn.utils.clip_grad_norm_([param], 1e-3)
     with pytest.raises(RuntimeError, match="gradient of 'w' was changed in place between backward"):
         compression.decompress(values, ctx)

@@ -5,8 +5,8 @@ and the wire format's bit-exactness against the quantize.py operators.
 
 The job is tests/workers/torch_seed_qsparse.py: a 48-64-10 MLP (weights 3072 and 640 entries, biases
 64 and 10), plain or momentum SGD at lr 0.1 on every rank's own data. Launches are few (each costs
-seconds of start-up): the runs share three jobs with tests/test_torch_sketched_sgd.py's
-(``shared_job`` there), each run of the worker following others in the same processes.
+seconds of start-up): the runs share the jobs of tests/test_torch_sketched_sgd.py
+(tests/jobs.py), each run of the worker following others in the same processes.
 """
 
 import json
@@ -21,7 +21,8 @@ from hvd_scalecom.sim import Simulator
 from hvd_scalecom.torch.qsparse_steps import compress_delta, decode, encode, mean_of_sparse
 from hvd_scalecom.torch.quantize import qsgd_top_k, sign_top_k
 from reference import QsparseReference
-from test_torch_sketched_sgd import add_run, completed, shared_job
+from jobs import add_run, rank_sections
+from test_torch_sketched_sgd import completed
 
 NAMES = ["hidden.weight", "hidden.bias", "out.weight", "out.bias"]
 NUMEL = {"hidden.weight": 3072, "hidden.bias": 64, "out.weight": 640, "out.bias": 10}
@@ -155,21 +156,13 @@ def check_synchronised(results, t):
                                           err_msg=f"{n} differs between rank 0 and {rank} after step {t}")
 
 
-def rank_sections(report):
-    sections = {}
-    for chunk in report.split("----- rank ")[1:]:
-        rank, _, text = chunk.partition(" -----")
-        sections[int(rank)] = text
-    return sections
-
-
-def test_qsgd_three_ranks_match_the_simulator_and_the_timeline(request, tmp_path_factory):
+def test_qsgd_three_ranks_match_the_simulator_and_the_timeline(horovod_jobs):
     """np=3, QSGD-TopK with s = 256, H = 3, 7 steps (two synchronisations and a local step after);
     the weights are compressed, the biases averaged densely."""
     from devtools.timeline import read_operations
 
     opts = QSGD_OPTS
-    job = shared_job("np3", request, tmp_path_factory)
+    job = horovod_jobs("np3")
     timeline = job["timeline"]
     results = completed(job, "qsparse_qsgd", 3)
     assert len(results) == 3
@@ -206,10 +199,10 @@ def test_qsgd_three_ranks_match_the_simulator_and_the_timeline(request, tmp_path
         assert json.loads(str(r["stats"]))["step"] == 5
 
 
-def test_qsparse_under_mpi_matches_the_simulator(request, tmp_path_factory):
+def test_qsparse_under_mpi_matches_the_simulator(horovod_jobs):
     """np=3 under MPI (horovodrun --mpi, Open MPI carrying the payload allgather) as under Gloo:
     TopK, H = 2, two synchronisations."""
-    results = completed(shared_job("np3_mpi", request, tmp_path_factory), "qsparse_mpi", 3)
+    results = completed(horovod_jobs("np3_mpi"), "qsparse_mpi", 3)
     assert not any(bool(r["gloo"]) for r in results)
     replay(simulator(UNDER_MPI, 3), results, UNDER_MPI["steps"])
     follow(reference(UNDER_MPI, 3), results, UNDER_MPI["steps"])
@@ -217,13 +210,13 @@ def test_qsparse_under_mpi_matches_the_simulator(request, tmp_path_factory):
         check_synchronised(results, t)
 
 
-def test_sign_momentum_int64_and_checkpoint_round_trip(request, tmp_path_factory):
+def test_sign_momentum_int64_and_checkpoint_round_trip(horovod_jobs):
     """np=2, SignTopK with k = min(ceil(0.05 numel), 50) on every tensor (min_numel 0), local momentum
     0.9, H = 2, int64 indices. 5 steps, a checkpoint one step into an interval, new processes, 3 more
     steps: the simulator runs all 8 in one go and the resumed job must continue exactly as it does."""
     opts = SIGN_OPTS
-    first = completed(shared_job("np2_first", request, tmp_path_factory), "qsparse_sign_first", 2)
-    second = completed(shared_job("np2_second", request, tmp_path_factory), "qsparse_sign_second", 2)
+    first = completed(horovod_jobs("np2_first"), "qsparse_sign_first", 2)
+    second = completed(horovod_jobs("np2_second"), "qsparse_sign_second", 2)
     sim = simulator(opts, 2)
     updates = replay(sim, first, 5)
     ref = reference(opts, 2)
@@ -250,11 +243,11 @@ def test_sign_momentum_int64_and_checkpoint_round_trip(request, tmp_path_factory
         replay(forgetful, second, 3, first=5)
 
 
-def test_one_rank_and_float64_parameters_match_the_simulator(request, tmp_path_factory):
+def test_one_rank_and_float64_parameters_match_the_simulator(horovod_jobs):
     """horovodrun -np 1: SignTopK on all four tensors, whose int8 codes leave the gathered payload's
     rows a width that is no multiple of 4 (its fields are read from copies of their own); and TopK on a
     float64 model, whose values travel as float64. Both follow the simulator step by step."""
-    job = shared_job("np1", request, tmp_path_factory)
+    job = horovod_jobs("np1")
     sign = completed(job, "qsparse_one_rank_sign", 1)
     replay(simulator(ONE_RANK_SIGN, 1), sign, 4)
     follow(reference(ONE_RANK_SIGN, 1), sign, 4)
@@ -274,12 +267,12 @@ def test_one_rank_and_float64_parameters_match_the_simulator(request, tmp_path_f
     assert "fp32, fp64 for fp64 parameters" in qsparse_local_sgd.QsparseLocalSGD.stats.__doc__
 
 
-def test_a_nan_in_one_ranks_model_reaches_every_rank_and_no_memory(request, tmp_path_factory):
+def test_a_nan_in_one_ranks_model_reaches_every_rank_and_no_memory(horovod_jobs):
     """np=2, SignTopK, H = 2: rank 1's gradient of hidden.weight has a NaN at step 3, a synchronisation.
     Rank 1 sends NaN for that tensor (its scale), so x_new carries NaN on both ranks, as model averaging
     would, and both keep their memory of it from step 1 (counted in nonfinite_skips); out.weight
     synchronises as usual. Step by step as the simulator and the reference."""
-    results = completed(shared_job("np2_first", request, tmp_path_factory), "qsparse_nan", 2)
+    results = completed(horovod_jobs("np2_first"), "qsparse_nan", 2)
     assert np.isnan(results[1]["raw/3/hidden.weight"].reshape(-1)[7])
     sim = simulator(NAN, 2)
     replay(sim, results, 4)
@@ -299,7 +292,7 @@ def test_a_nan_in_one_ranks_model_reaches_every_rank_and_no_memory(request, tmp_
         assert [json.loads(str(r[f"stats/{t}"]))["nonfinite_skips"] for t in range(4)] == [0, 0, 0, 1]
 
 
-def test_bf16_parameters_synchronise_through_an_fp32_model_as_the_simulator_does(request, tmp_path_factory):
+def test_bf16_parameters_synchronise_through_an_fp32_model_as_the_simulator_does(horovod_jobs):
     """np=2, bfloat16 parameters (Horovod's collectives take none): QSGD-TopK, H = 2, 5 steps. x_last,
     the memories and the dense biases are float32, the payload carries float32 norms; each rank's
     bfloat16 weights follow the simulator's exactly, step by step. The float64 reference agrees to
@@ -307,7 +300,7 @@ def test_bf16_parameters_synchronise_through_an_fp32_model_as_the_simulator_does
     throughout): at a synchronisation bfloat16's rounding of the drift changes which of two nearly
     equal entries is selected."""
     opts = BF16_QSGD
-    results = completed(shared_job("np2_first", request, tmp_path_factory), "qsparse_bf16", 2)
+    results = completed(horovod_jobs("np2_first"), "qsparse_bf16", 2)
     assert str(results[0]["param_dtype"]) == "torch.bfloat16"
     updates = replay(simulator(opts, 2), results, 5, rtol=0, atol=0, dtype=torch.bfloat16)
     for t in (1, 3):
@@ -324,8 +317,8 @@ def test_bf16_parameters_synchronise_through_an_fp32_model_as_the_simulator_does
     assert stats["uncompressed_bytes"] == 2 * 4 * 3786  # (bfloat16 counted as the float32 it travels in)
 
 
-def test_ranks_starting_from_different_models_all_raise(request, tmp_path_factory):
-    job = shared_job("np2_second", request, tmp_path_factory)
+def test_ranks_starting_from_different_models_all_raise(horovod_jobs):
+    job = horovod_jobs("np2_second")
     assert isinstance(job["error"], HorovodRunError) and not job["results"]["qsparse_different_models"]
     by_rank = rank_sections(str(job["error"]))
     for rank in (0, 1):
@@ -334,22 +327,22 @@ def test_ranks_starting_from_different_models_all_raise(request, tmp_path_factor
         assert "hvd.broadcast_parameters(model.state_dict(), root_rank=0)" in by_rank[rank]
 
 
-def test_ranks_whose_parameter_dtypes_differ_all_raise(request, tmp_path_factory):
+def test_ranks_whose_parameter_dtypes_differ_all_raise(horovod_jobs):
     """Rank 0 in float32, rank 1 in bfloat16, from the same bfloat16 values: x_last (float32 on both) is
     equal, and the ranks used to train on in different precisions, silently (their synchronised models
     then differ by bfloat16's rounding). Every rank raises at the first step, naming the dtypes."""
-    results = completed(shared_job("np2_second", request, tmp_path_factory), "qsparse_dtype_on_one_rank", 2)
+    results = completed(horovod_jobs("np2_second"), "qsparse_dtype_on_one_rank", 2)
     for r in results:
         assert "QsparseLocalSGD is configured differently on different ranks (parameter_dtypes differ): " \
                "rank 0: parameter_dtypes=['float32']; rank 1: parameter_dtypes=['bfloat16']" in str(r["refused"])
         assert not any(key.startswith("local/") for key in r)
 
 
-def test_a_first_step_refused_for_different_models_succeeds_once_the_model_is_broadcast(request, tmp_path_factory):
+def test_a_first_step_refused_for_different_models_succeeds_once_the_model_is_broadcast(horovod_jobs):
     """Ranks start from different models: the first step() is refused, having changed nothing (x_last
     included); the model broadcast from rank 0, as the error advises, the same step succeeds and the run
     follows the reference from rank 0's model."""
-    results = completed(shared_job("np2_second", request, tmp_path_factory), "qsparse_retry_after_broadcast", 2)
+    results = completed(horovod_jobs("np2_second"), "qsparse_retry_after_broadcast", 2)
     for r in results:
         assert "configured differently on different ranks (shared_digest differ)" in str(r["refused"])
     follow(reference(RETRY, 2), results, 4)
@@ -357,11 +350,11 @@ def test_a_first_step_refused_for_different_models_succeeds_once_the_model_is_br
 
 
 @pytest.mark.parametrize("job", ["np2_reload", "np2_reload_dense"])
-def test_a_state_restored_on_one_rank_alone_is_an_error_on_every_rank(job, request, tmp_path_factory):
+def test_a_state_restored_on_one_rank_alone_is_an_error_on_every_rank(job, horovod_jobs):
     """Rank 1 alone goes back two steps: at the next synchronisation every rank sees the other's step
     in the payload's header and raises (no rank waits in a collective the other never posts); also
     where no tensor is compressed (``np2_reload_dense``: the header then travels alone)."""
-    job = shared_job(job, request, tmp_path_factory)
+    job = horovod_jobs(job)
     assert isinstance(job["error"], HorovodRunError)
     by_rank = rank_sections(str(job["error"]))
     for rank in (0, 1):
@@ -369,11 +362,11 @@ def test_a_state_restored_on_one_rank_alone_is_an_error_on_every_rank(job, reque
         assert "every rank must restore the same state" in by_rank[rank]
 
 
-def test_a_refused_synchronisation_leaves_the_wrappers_state_as_it_was(request, tmp_path_factory):
+def test_a_refused_synchronisation_leaves_the_wrappers_state_as_it_was(horovod_jobs):
     """The ValueError of a rank restored alone, caught on every rank: the step counter, x_last, the
     memories (rows of both compressed tensors by then) and QSGD's generator are those from before the
     step (only the local optimizer's step was taken)."""
-    job = shared_job("np2_reload", request, tmp_path_factory)
+    job = horovod_jobs("np2_reload")
     for r in completed(job, "qsparse_partial_reload_caught", 2):
         assert "the ranks synchronise at steps [3, 1]" in str(r["refused"])
         assert int(r["refused_at"]) == 3 and bool(r["state_unchanged"])
@@ -641,14 +634,14 @@ def test_state_dict_hooks_register_and_run_as_in_torch():
     assert not copied._optimizer_state_dict_post_hooks and "epoch" not in copied.state_dict()
 
 
-def test_a_step_the_grad_scaler_skips_on_one_rank_still_counts(request, tmp_path_factory):
+def test_a_step_the_grad_scaler_skips_on_one_rank_still_counts(horovod_jobs):
     """np=2, TopK, H = 2, every step through torch.amp.GradScaler: rank 1's gradients are inf at steps 2
     and 5, which its scaler skips (its scale halves twice, rank 0's stays). The skipped steps count, so
     both ranks synchronise at steps 1, 3 and 5, rank 1 at 5 without a local step; step by step as the
     simulator fed the unscaled gradients, zero at the skipped steps. (Counting only the steps taken,
     rank 1 synchronised at its step 4 with rank 0's 3, and rank 0's third synchronisation found
     rank 1 gone.)"""
-    results = completed(shared_job("np2_first", request, tmp_path_factory), "qsparse_scaler", 2)
+    results = completed(horovod_jobs("np2_first"), "qsparse_scaler", 2)
     assert [float(results[0][f"scale/{t}"]) for t in range(6)] == [1024.0] * 6
     assert [float(results[1][f"scale/{t}"]) for t in range(6)] == [1024.0] * 2 + [512.0] * 3 + [256.0]
     replay(simulator(SCALER, 2), results, 6)

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from devtools.launch import HorovodRunError, run
+from devtools.launch import HorovodRunError
 from hvd_scalecom.sim import Simulator
 from hvd_scalecom.sim import SketchedSGD as SimSketchedSGD
 from hvd_scalecom.torch.sketch import CountSketch
+from jobs import add_run, rank_sections
 from reference import SketchedReference
 
 NAMES = ["hidden.weight", "hidden.bias", "out.weight", "out.bias"]
@@ -30,75 +31,14 @@ SUM_OPTS = {**BASE, "op": "sum", "groups": True, "backward_passes_per_step": 2}
 
 # -- Horovod jobs, shared with tests/test_torch_qsparse.py -------------------------------------------------
 # Starting horovodrun and importing torch and Horovod on every rank costs far more than these small runs,
-# so the runs of both files go into four jobs: in each, runs of the tests/workers scripts follow one
-# another in the same processes (through runpy, with the argv horovod_job gives them), and a run that
-# must fail comes last. A job includes only the runs that the selected tests read.
-
-WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers")
-SEQUENCE = ("import json, runpy, sys\n"
-            f"sys.path.insert(0, {WORKERS!r})\n"
-            "import lingering\n"
-            "lingering.install()  # a failing run's error printed on every rank before horovodrun stops them\n"
-            "for script, opts, out_dir in json.loads(sys.argv[1]):\n"
-            "    sys.argv = [script, opts, out_dir]\n"
-            "    runpy.run_path(script, run_name='__main__')\n"
-            "import horovod.torch as hvd\n"
-            "hvd.stop_timeline()  # every queued event written (Horovod drops them at shutdown)\n")
-JOBS = {"np3": 3, "np2_first": 2, "np2_second": 2, "np2_reload": 2, "np2_reload_dense": 2, "np1": 1,
-        "np3_mpi": 3}  # job: ranks; np2_second resumes np2_first's checkpoints; *_mpi run under --mpi
-_RUNS = {job: [] for job in JOBS}
-_DONE = {}
-
-
-def add_run(job, part, worker, opts, tests, fails=False):
-    """Add to ``job`` a run of ``tests/workers/<worker>`` writing to ``<root>/<part>``. ``opts``: its JSON
-    options, or a function of ``root`` returning them; ``tests``: the test functions that read it;
-    ``fails``: the run must fail, which ends the job, so it runs last (one such run per job)."""
-    _RUNS[job].append((part, worker, opts, tuple(tests), fails))
-
-
-def shared_job(job, request, tmp_path_factory):
-    """Run ``job`` (once per session) and return ``{"error", "results", "timeline", "root"}``: the job's
-    HorovodRunError or None, per part the per-rank npz dicts (as horovod_job returns them; none for a
-    run that failed or never ran) and rank 0's Horovod timeline."""
-    if job == "np2_second":  # its resume runs read np2_first's checkpoints, whatever the tests' order
-        shared_job("np2_first", request, tmp_path_factory)
-    if "root" not in _DONE:
-        _DONE["root"] = tmp_path_factory.mktemp("horovod_jobs")
-    root = _DONE["root"]
-    if job not in _DONE:
-        selected = {getattr(item, "originalname", item.name) for item in request.session.items}
-        runs = sorted((r for r in _RUNS[job] if selected & set(r[3])), key=lambda r: r[4])
-        assert sum(r[4] for r in runs) <= 1, f"{job}: more than one run that must fail"
-        argv = []
-        for part, worker, opts, _, _ in runs:
-            os.makedirs(root / part)
-            opts = opts(root) if callable(opts) else opts
-            argv.append([os.path.join(WORKERS, worker), json.dumps(opts), str(root / part)])
-        timeline = root / f"{job}_timeline.json"
-        error = None
-        try:
-            run(["-c", SEQUENCE, json.dumps(argv)], np=JOBS[job], env={"HOROVOD_TIMELINE": str(timeline)},
-                controller="mpi" if job.endswith("_mpi") else "gloo")
-        except HorovodRunError as e:
-            error = e
-        results = {}
-        for part, *_ in runs:
-            results[part] = []
-            for rank in range(JOBS[job]):
-                path = root / part / f"rank{rank}.npz"
-                if path.exists():
-                    with np.load(path, allow_pickle=False) as data:
-                        results[part].append({k: data[k] for k in data.files})
-        _DONE[job] = {"error": error, "results": results, "timeline": timeline, "root": root}
-    return _DONE[job]
+# so the runs of both files share a few jobs of tests/jobs.py (each with a timeline of rank 0): in each,
+# runs of the tests/workers scripts follow one another in the same processes, and a run that must fail
+# comes last. A job includes only the runs that the selected tests read.
 
 
 def completed(job, part, size):
     """The per-rank results of ``part``, which must have completed on all ``size`` ranks."""
-    results = job["results"][part]
-    assert len(results) == size, f"{part} did not complete on every rank: {job['error']}"
-    return results
+    return job.completed(part, size)
 
 
 THREE_RANKS = {**BASE, "warmup_steps": 1, "steps": 5, "no_out_weight_grad_on_rank": 1}
@@ -240,14 +180,6 @@ def closed_loop(opts, n, steps, no_grad_rank=None):
     return {n_: p.detach().numpy() for n_, p in zip(NAMES, params)}
 
 
-def rank_sections(report):
-    """``{rank: text}`` from a HorovodRunError's message (one ``----- rank R -----`` section each)."""
-    sections = {}
-    for chunk in report.split("----- rank ")[1:]:
-        rank, _, text = chunk.partition(" -----")
-        sections[int(rank)] = text
-    return sections
-
 
 def check_identical_weights(results):
     for n in NAMES:
@@ -256,14 +188,14 @@ def check_identical_weights(results):
                                           err_msg=f"{n} differs between rank 0 and {rank}")
 
 
-def test_three_ranks_match_the_simulator_and_move_the_sketch(request, tmp_path_factory):
+def test_three_ranks_match_the_simulator_and_move_the_sketch(horovod_jobs):
     """np=3, one dense warm-up step, rank 1 without an out.weight gradient on odd steps (Horovod
     compresses it late in synchronize(), so rank 1 completes its sketch in another order)."""
     from devtools.timeline import read_operations
 
     steps, warmup = 5, 1
     opts = THREE_RANKS
-    job = shared_job("np3", request, tmp_path_factory)
+    job = horovod_jobs("np3")
     timeline = job["timeline"]
     results = completed(job, "sketched_three_ranks", 3)
     assert len(results) == 3
@@ -313,10 +245,10 @@ def test_three_ranks_match_the_simulator_and_move_the_sketch(request, tmp_path_f
             + warmup * 4 * (3786 + 2)
 
 
-def test_sketched_sgd_under_mpi_matches_the_simulator(request, tmp_path_factory):
+def test_sketched_sgd_under_mpi_matches_the_simulator(horovod_jobs):
     """np=3 under MPI (horovodrun --mpi, Open MPI carrying the collectives) as under Gloo: a dense
     warm-up step, then the sketch, the candidates and the probes."""
-    results = completed(shared_job("np3_mpi", request, tmp_path_factory), "sketched_mpi", 3)
+    results = completed(horovod_jobs("np3_mpi"), "sketched_mpi", 3)
     assert not any(bool(r["gloo"]) for r in results)
     updates = replay(simulator(UNDER_MPI, 3), results, UNDER_MPI["steps"])
     follow(reference(UNDER_MPI, 3), results, UNDER_MPI["steps"])
@@ -325,13 +257,13 @@ def test_sketched_sgd_under_mpi_matches_the_simulator(request, tmp_path_factory)
         np.count_nonzero(updates[3]["out.weight"].numpy()) == K
 
 
-def test_sum_op_groups_accumulation_and_checkpoint_round_trip(request, tmp_path_factory):
+def test_sum_op_groups_accumulation_and_checkpoint_round_trip(horovod_jobs):
     """np=2 with op=hvd.Sum (the sketched tensors follow it through their probe), a grouped allreduce
     and two backward passes per step; 4 steps, a checkpoint, new processes, 3 more steps. The
     simulator runs all 7 steps in one go: the resumed job must continue exactly where it would."""
     opts = SUM_OPTS
-    first = completed(shared_job("np2_first", request, tmp_path_factory), "sketched_sum_first", 2)
-    second = completed(shared_job("np2_second", request, tmp_path_factory), "sketched_sum_second", 2)
+    first = completed(horovod_jobs("np2_first"), "sketched_sum_first", 2)
+    second = completed(horovod_jobs("np2_second"), "sketched_sum_second", 2)
     sim = simulator(opts, 2)
     replay(sim, first, 4, scale=2.0)  # op=Sum: n times the mean
     ref = reference(opts, 2)
@@ -346,14 +278,14 @@ def test_sum_op_groups_accumulation_and_checkpoint_round_trip(request, tmp_path_
         replay(fresh, second, 3, first=4, scale=2.0)
 
 
-def test_a_nan_in_one_ranks_gradient_skips_round_two_on_every_rank_and_is_not_kept(request, tmp_path_factory):
+def test_a_nan_in_one_ranks_gradient_skips_round_two_on_every_rank_and_is_not_kept(horovod_jobs):
     """np=2, entry 7 of a gradient is NaN on one rank: hidden.weight's in the dense warm-up step 0
     (rank 0) and in sketched step 2 (rank 1), hidden.bias's (dense) in step 3 (rank 0). Every rank
     hands the optimizer NaN where the reference does (a dense tensor's NaN entry; all of the sketched
     tensors when their reduced sketch is not finite; the job skips those steps, as a loss scaler
     would), counts the sketched one and no candidates for it, and keeps no NaN: the next steps are finite, with k coordinates
     applied, as in the reference and the simulator."""
-    results = completed(shared_job("np2_first", request, tmp_path_factory), "sketched_nan", 2)
+    results = completed(horovod_jobs("np2_first"), "sketched_nan", 2)
     for t, rank, name in NAN["nan_at"]:
         assert np.isnan(results[rank][f"raw/{t}/{name}"].reshape(-1)[7])
     follow(reference(NAN, 2), results, NAN["steps"])
@@ -380,20 +312,20 @@ def test_a_nan_in_one_ranks_gradient_skips_round_two_on_every_rank_and_is_not_ke
     check_identical_weights(results)
 
 
-def test_bf16_gradients_travel_as_fp32_and_match_the_reference(request, tmp_path_factory):
+def test_bf16_gradients_travel_as_fp32_and_match_the_reference(horovod_jobs):
     """Horovod's collectives take no bfloat16: the dense warm-up reduction, the sketch and the probe
     travel as float32, and the optimizer gets the reference's update rounded to bfloat16."""
-    results = completed(shared_job("np2_first", request, tmp_path_factory), "sketched_bf16", 2)
+    results = completed(horovod_jobs("np2_first"), "sketched_bf16", 2)
     assert str(results[0]["applied_dtype"]) == "torch.bfloat16"
     follow(reference(BF16, 2), results, BF16["steps"], rtol=8e-3, atol=1e-6)
     check_identical_weights(results)
 
 
-def test_a_parameter_frozen_before_the_optimizer_is_left_out_of_the_sketch(request, tmp_path_factory):
+def test_a_parameter_frozen_before_the_optimizer_is_left_out_of_the_sketch(horovod_jobs):
     """np=2, hidden.weight frozen before SketchedSGD and hvd.DistributedOptimizer are built: Horovod never
     reduces it, so the sketch holds out.weight alone (k = 13) and every step applies the reference's
     update of the three trained tensors; hidden.weight stays as initialised."""
-    results = completed(shared_job("np2_second", request, tmp_path_factory), "sketched_frozen", 2)
+    results = completed(horovod_jobs("np2_second"), "sketched_frozen", 2)
     trained = [n for n in NAMES if n != "hidden.weight"]
     follow(reference(FROZEN, 2), results, FROZEN["steps"], names=trained)
     torch.manual_seed(0)
@@ -406,33 +338,33 @@ def test_a_parameter_frozen_before_the_optimizer_is_left_out_of_the_sketch(reque
     check_identical_weights(results)
 
 
-def test_momentum_and_error_follow_a_changing_loss_scale(request, tmp_path_factory):
+def test_momentum_and_error_follow_a_changing_loss_scale(horovod_jobs):
     """np=2, the loss scaled by 1024, 1024, 512, 512, 4096, 256 (powers of two: exact), loss_scaler=
     following it, the reduced gradients divided by it as GradScaler does: every step, warm-up and
     sketched, applies what the simulator and the reference apply on the unscaled gradients."""
-    results = completed(shared_job("np2_first", request, tmp_path_factory), "sketched_loss_scaled", 2)
+    results = completed(horovod_jobs("np2_first"), "sketched_loss_scaled", 2)
     replay(simulator(SCALED, 2), results, SCALED["steps"])
     follow(reference(SCALED, 2), results, SCALED["steps"])
     check_identical_weights(results)
 
 
-def test_ranks_resumed_from_states_of_different_steps_all_raise(request, tmp_path_factory):
+def test_ranks_resumed_from_states_of_different_steps_all_raise(horovod_jobs):
     """Rank 1 resumes from a state of step 3, rank 0 from the start (warm-up 2 steps: rank 0 would
     reduce densely, rank 1 sketch): both raise the same error at the first step, naming the steps."""
-    results = completed(shared_job("np2_first", request, tmp_path_factory), "sketched_skewed_steps", 2)
+    results = completed(horovod_jobs("np2_first"), "sketched_skewed_steps", 2)
     for r in results:
         assert "SketchedSGD is configured differently on different ranks (steps differ)" in str(r["refused"])
         assert "restore every rank from a state of the same step" in str(r["refused"])
         assert not any(key.startswith("applied/") for key in r)
 
 
-def test_step_counters_that_part_across_the_end_of_warm_up_mid_job_raise_on_every_rank(request, tmp_path_factory):
+def test_step_counters_that_part_across_the_end_of_warm_up_mid_job_raise_on_every_rank(horovod_jobs):
     """Warm-up of 2 steps; at the top of step 1 rank 1 loads a state of its next step (step 2, past
     warm-up), after the first-step check: rank 0 reduces step 1 densely, rank 1 sketches. Both meet in
     sketched_sgd.sketch with different shapes (u whole against the r x c table), and both raise an
     error naming SketchedSGD, a sketched tensor, the cause and the remedy; it was Horovod's "Mismatched
     ALLREDUCE tensor shapes" of a probe against a dense gradient, naming neither."""
-    results = completed(shared_job("np2_first", request, tmp_path_factory), "sketched_skewed_mid_job", 2)
+    results = completed(horovod_jobs("np2_first"), "sketched_skewed_mid_job", 2)
     follow(reference(SKEWED_MID_JOB, 2), results, 1)  # step 0, dense, as the reference
     for rank, r in enumerate(results):
         refused = str(r["refused"])
@@ -445,8 +377,8 @@ def test_step_counters_that_part_across_the_end_of_warm_up_mid_job_raise_on_ever
         assert not any(key.startswith("applied/1/") for key in r)
 
 
-def test_ranks_configured_differently_all_raise(request, tmp_path_factory):
-    job = shared_job("np2_first", request, tmp_path_factory)
+def test_ranks_configured_differently_all_raise(horovod_jobs):
+    job = horovod_jobs("np2_first")
     assert isinstance(job["error"], HorovodRunError) and not job["results"]["sketched_disagreeing"]
     by_rank = rank_sections(str(job["error"]))
     for rank in (0, 1):
@@ -459,26 +391,25 @@ def test_ranks_configured_differently_all_raise(request, tmp_path_factory):
                                                        "rank 1: parameter_dtypes=['bfloat16']"),
     ("sketched_loss_scaler_on_one_rank", "loss_scaler", "rank 0: loss_scaler=True; rank 1: loss_scaler=False"),
 ])
-def test_ranks_whose_dtypes_or_loss_scalers_differ_all_raise(part, differing, hint, request, tmp_path_factory):
+def test_ranks_whose_dtypes_or_loss_scalers_differ_all_raise(part, differing, hint, horovod_jobs):
     """Both used to train on silently: a bfloat16 model on one rank sends fp32 like the others, and a rank
     without the loss_scaler kept its momentum and error in the scale of the step they were made in.
     Now every rank raises the same error at the first step, before anything changes."""
-    results = completed(shared_job("np2_second", request, tmp_path_factory), part, 2)
+    results = completed(horovod_jobs("np2_second"), part, 2)
     for r in results:
         refused = str(r["refused"])
         assert f"SketchedSGD is configured differently on different ranks ({differing} differ): {hint}" in refused
         assert not any(key.startswith("applied/") for key in r)
 
 
-def test_hvd_allreduce_called_directly_one_gradient_at_a_time_is_refused_and_changes_nothing(request,
-                                                                                             tmp_path_factory):
+def test_hvd_allreduce_called_directly_one_gradient_at_a_time_is_refused_and_changes_nothing(horovod_jobs):
     """Without DistributedOptimizer: hvd.grouped_allreduce(gradients, compression=SketchedSGD) applies the
     reference's update (a warm-up step, then two sketched ones). hvd.allreduce(p.grad, compression=...)
     of one gradient at a time cannot work (a sketched tensor's update needs every sketched gradient):
     every rank raises naming that cause, where the first sketched tensor's momentum, error and step
     counter had moved on (every later step then failed out of lockstep) and the error blamed frozen
     parameters; the state is as it was before the step."""
-    results = completed(shared_job("np2_second", request, tmp_path_factory), "sketched_direct", 2)
+    results = completed(horovod_jobs("np2_second"), "sketched_direct", 2)
     follow(reference(DIRECT, 2), results, 3)
     check_identical_weights(results)
     for r in results:
@@ -489,14 +420,14 @@ def test_hvd_allreduce_called_directly_one_gradient_at_a_time_is_refused_and_cha
         assert not any(key.startswith("applied/3/") for key in r)
 
 
-def test_a_second_reduction_after_synchronize_is_refused_and_changes_nothing(request, tmp_path_factory):
+def test_a_second_reduction_after_synchronize_is_refused_and_changes_nothing(horovod_jobs):
     """optimizer.synchronize(), then optimizer.step() outside skip_synchronize() (step 0 in warm-up,
     step 2 sketched): Horovod only warns and reduces every gradient again, which averages plain
     gradients to themselves but made SketchedSGD count another step (the applied update taken in as a
     new gradient: momentum applied twice, warm-up over in half the steps). Every rank raises naming the
     cause and the remedy, before anything changes; the step then completed inside skip_synchronize()
     and every step applies the reference's update."""
-    results = completed(shared_job("np2_second", request, tmp_path_factory), "sketched_second_reduction", 2)
+    results = completed(horovod_jobs("np2_second"), "sketched_second_reduction", 2)
     follow(reference(SECOND_REDUCTION, 2), results, SECOND_REDUCTION["steps"])
     check_identical_weights(results)
     for r in results:
@@ -508,7 +439,7 @@ def test_a_second_reduction_after_synchronize_is_refused_and_changes_nothing(req
         assert json.loads(str(r["stats"]))["step"] == SECOND_REDUCTION["steps"] - 1  # one step counted each
 
 
-def test_two_instances_stepped_after_one_backward_with_their_own_names(request, tmp_path_factory):
+def test_two_instances_stepped_after_one_backward_with_their_own_names(horovod_jobs):
     """An encoder and a decoder, each with its SketchedSGD and hvd.DistributedOptimizer, stepped after
     one backward: both rounds' allreduces had fixed names, so the second instance's sketch met the
     first's still in flight and Horovod refused it ("a tensor with the same name as another tensor
@@ -517,7 +448,7 @@ def test_two_instances_stepped_after_one_backward_with_their_own_names(request, 
     hvd.DistributedOptimizer's exactly."""
     from devtools.timeline import read_operations
 
-    job = shared_job("np2_second", request, tmp_path_factory)
+    job = horovod_jobs("np2_second")
     results = completed(job, "sketched_two_instances", 2)
     for r in results:
         assert float(r["max_difference"]) == 0.0

@@ -35,7 +35,10 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 from hvd_scalecom.tensorflow import ScaleCom
 
-tf.config.threading.set_intra_op_parallelism_threads(1)
+try:
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+except RuntimeError:  # TF started by an earlier run in this process (tests/jobs.py): TF_NUM_INTRAOP_THREADS=1 holds
+    pass
 out_dir = sys.argv[2]
 hvd.init()
 rank = hvd.rank()

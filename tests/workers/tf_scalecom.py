@@ -25,7 +25,10 @@ import horovod.tensorflow as hvd
 from tf_model import batch, loss_of
 from hvd_scalecom.tensorflow import ScaleCom, log_stats
 
-tf.config.threading.set_intra_op_parallelism_threads(1)
+try:
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+except RuntimeError:  # TF started by an earlier run in this process (tests/jobs.py): TF_NUM_INTRAOP_THREADS=1 holds
+    pass
 opts = json.loads(sys.argv[1])
 out_dir = sys.argv[2]
 process_set = hvd.ProcessSet(opts["process_set"]) if opts.get("process_set") else None
@@ -57,9 +60,9 @@ if mode == "keras":
     from hvd_scalecom.tensorflow import (BroadcastInitialState, DistributedOptimizer, LogStats,
                                          gradient_sources, make_train_step)
 
+    keras.backend.clear_session()  # (as in a new process: tests/workers/sequence.py runs several runs in one)
     keras.utils.set_random_seed(0)
-    if opts.get("policy"):
-        keras.mixed_precision.set_global_policy(opts["policy"])
+    keras.mixed_precision.set_global_policy(opts.get("policy") or "float32")
 
     class Recorded(keras.Sequential):
         """Keeps its weights after each step of fit in ``trace``, at row ``traced`` (counted from 1)."""

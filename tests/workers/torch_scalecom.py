@@ -33,6 +33,9 @@ lingering.install()
 torch.set_num_threads(1)
 opts = json.loads(sys.argv[1])
 traded = [0]  # decompress calls that traded a gradient's buffer with its memory's (or could have)
+# clt_k as imported (an earlier run in the same process, tests/workers/sequence.py, may have changed it)
+ORIGINAL = clt_k.__dict__.setdefault("_before_worker", (clt_k._ADVANCE_MIN_NUMEL, clt_k.filter_and_scatter_advanced))
+clt_k._ADVANCE_MIN_NUMEL, clt_k.filter_and_scatter_advanced = ORIGINAL
 if "advance_min_numel" in opts:  # small gradients take the path of large ones: buffers traded
     clt_k._ADVANCE_MIN_NUMEL = opts["advance_min_numel"]
     finish_advanced = clt_k.filter_and_scatter_advanced
