@@ -27,6 +27,9 @@ if os.environ.get("HVD_SCALECOM_LAUNCH_LOG"):  # this process and every one it s
 # a benchmark's or an example's command, Python in a subprocess): a test added that starts processes
 # without these fixtures belongs in this table.
 MULTIPROCESS_FIXTURES = {"horovod_job", "horovod_jobs", "straight_run"}
+# Modules whose tests (all, or all but a few quick ones) start processes: marked whole.
+MULTIPROCESS_MODULES = {"test_ddp.py", "test_benchmarks_ddp_smoke.py", "test_benchmarks_links_smoke.py",
+                        "test_benchmarks_scale_smoke.py"}
 MULTIPROCESS_TESTS = {
     "test_benchmarks_convergence_smoke.py": {"test_convergence_smoke"},
     "test_benchmarks_perf_smoke.py": {
@@ -65,7 +68,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         name = getattr(item, "originalname", item.name)
         if MULTIPROCESS_FIXTURES & set(getattr(item, "fixturenames", ())) or \
-                name in MULTIPROCESS_TESTS.get(item.path.name, ()):
+                name in MULTIPROCESS_TESTS.get(item.path.name, ()) or item.path.name in MULTIPROCESS_MODULES:
             item.add_marker(pytest.mark.multiprocess)
 
 
