@@ -33,6 +33,7 @@ COMPRESSORS = {"dense": lambda hvd, model, kwargs: hvd.Compression.none,
 
 def main(spec):
     import horovod.tensorflow as hvd
+
     from hvd_scalecom.tensorflow import make_train_step
 
     tf.config.threading.set_intra_op_parallelism_threads(1)

@@ -20,7 +20,6 @@ copy with :func:`setup`, steps with :func:`sgd_step` and measures with :func:`me
 """
 
 import copy
-
 import json
 import statistics
 import sys

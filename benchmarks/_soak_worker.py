@@ -54,9 +54,10 @@ def learning_rate(args, size):
 
 def torch_trainer(example_argv):
     """``(rank, size, args, step(batch_indices) -> loss, compression, shard length, version)``."""
-    import torch
     import horovod.torch as hvd
     import pytorch_scalecom as example
+    import torch
+
     from hvd_scalecom.torch import ScaleCom
 
     args = example.parse_args(example_argv)
@@ -87,10 +88,11 @@ def torch_trainer(example_argv):
 
 def tensorflow_trainer(example_argv):
     """The same for TensorFlow (Keras 3 model, ``make_train_step``)."""
+    import horovod.tensorflow as hvd
     import keras
     import tensorflow as tf
-    import horovod.tensorflow as hvd
     import tensorflow_scalecom as example
+
     from hvd_scalecom.tensorflow import ScaleCom, make_train_step
 
     args = example.parse_args(example_argv)

@@ -187,7 +187,7 @@ def main(argv=None):
     seeds = (0,) if args.smoke else SEEDS
     plan = []
     for seed in seeds:
-        for name, task in tasks.items():
+        for task in tasks.values():
             for n in workers:
                 for spec in schemes:
                     plan.append((task, spec, n, seed))

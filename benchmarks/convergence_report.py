@@ -11,7 +11,7 @@ import statistics
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 METRIC = {"digits": ("accuracy", "test accuracy (%)"), "charlm": ("valid_loss", "validation loss (nats/char)")}
 COLORS = {"dense": "black", "fp16": "grey", "scalecom": "tab:red", "scalecom_b1": "tab:orange",

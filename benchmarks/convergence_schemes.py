@@ -24,8 +24,20 @@ import time
 
 import torch
 
-from hvd_scalecom.sim import (FP16, Dense, GlobalTopK, GTopK, LocalTopK, PowerSGD, QsparseLocalSGD,
-                              RandomK, ScaleCom, Simulator, SketchedSGD, per_worker_gradients)
+from hvd_scalecom.sim import (
+    FP16,
+    Dense,
+    GlobalTopK,
+    GTopK,
+    LocalTopK,
+    PowerSGD,
+    QsparseLocalSGD,
+    RandomK,
+    ScaleCom,
+    Simulator,
+    SketchedSGD,
+    per_worker_gradients,
+)
 
 
 @dataclasses.dataclass(frozen=True)

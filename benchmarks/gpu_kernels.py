@@ -37,14 +37,22 @@ tie: ``TIE_PRONE``) the weights it gives on the CPU.
 
 import argparse
 import json
-import os
 import sys
 
 import torch
 
 from benchmarks import kernels
-from benchmarks._report import (COUNT, RATIO, command_line, interleaved, number, output_file, output_path,
-                                replace_section, write_text)
+from benchmarks._report import (
+    COUNT,
+    RATIO,
+    command_line,
+    interleaved,
+    number,
+    output_file,
+    output_path,
+    replace_section,
+    write_text,
+)
 from hvd_scalecom import sim
 from hvd_scalecom.config import ScaleComConfig
 from hvd_scalecom.native import torch_operations

@@ -43,8 +43,16 @@ import sys
 
 import torch
 
-from benchmarks._report import (COUNT, RATIO, interleaved, number, output_file, output_path, replace_section,
-                                shown_arguments)
+from benchmarks._report import (
+    COUNT,
+    RATIO,
+    interleaved,
+    number,
+    output_file,
+    output_path,
+    replace_section,
+    shown_arguments,
+)
 from hvd_scalecom import native
 from hvd_scalecom.config import ScaleComConfig
 from hvd_scalecom.native import torch_operations

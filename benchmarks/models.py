@@ -205,7 +205,7 @@ def build_keras_model(name, size="full", widths=None):
     return keras.Model(tokens, layers.Dense(c["vocabulary"])(h))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _keras_embed_class():
     import keras
 

@@ -31,8 +31,8 @@ import time
 
 import numpy as np
 
-from benchmarks._scale_worker import SHAPES, gradient
 from benchmarks._report import COUNT, SECONDS, command_line, output_file, output_path, replace_section
+from benchmarks._scale_worker import SHAPES, gradient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "benchmarks", "_scale_worker.py")

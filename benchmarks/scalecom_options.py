@@ -20,8 +20,8 @@ import tempfile
 import torch
 
 from benchmarks._report import command_line, cpu, interleaved, output_file, output_path, write_text
-from hvd_scalecom.config import ScaleComConfig
 from devtools.launch import run
+from hvd_scalecom.config import ScaleComConfig
 from hvd_scalecom.torch import ScaleCom, clt_k
 
 # the index exchange the example's ScaleCom jobs use: the compressor's default

@@ -90,7 +90,7 @@ import time
 from benchmarks import cluster_links
 from benchmarks._report import COUNT, NON_NEGATIVE, SECONDS, output_file, output_path, replace_section, shown_arguments
 from benchmarks.cluster_links import MTU, PREFIX, SHAPES, JobFailed, Skip, check_namespaces
-from benchmarks.models import DEFAULT_WIDTHS, MODELS, SIZES, build_model, describe, mlp_widths
+from benchmarks.models import MODELS, SIZES, build_model, describe, mlp_widths
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "benchmarks", "_slow_link_worker.py")

@@ -17,15 +17,22 @@ import time
 
 import torch
 import torch.distributed as dist
+from digits_common import (
+    epoch_steps,
+    fraction,
+    learning_rate,
+    momentum_value,
+    nonnegative_int,
+    positive_int,
+    result_path,
+    seed_value,
+)
+from sklearn.datasets import load_digits
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hvd_scalecom.ddp import ScaleComState, scalecom_hook
 from hvd_scalecom.torch import log_stats
-
-from digits_common import (epoch_steps, fraction, learning_rate, momentum_value, nonnegative_int,
-                           positive_int, result_path, seed_value)
-from sklearn.datasets import load_digits
 
 
 def parse_args(argv=None):

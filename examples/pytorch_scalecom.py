@@ -13,15 +13,23 @@ import os
 import sys
 import time
 
-import numpy as np
+import horovod.torch as hvd
 import torch
+from digits_common import (
+    check_trained_with,
+    epoch_steps,
+    fraction,
+    learning_rate,
+    momentum_value,
+    nonnegative_int,
+    positive_int,
+    result_path,
+    seed_value,
+    trained_with,
+)
 from sklearn.datasets import load_digits
 
-import horovod.torch as hvd
 from hvd_scalecom.torch import ScaleCom, log_stats
-
-from digits_common import (check_trained_with, epoch_steps, fraction, learning_rate, momentum_value,
-                           nonnegative_int, positive_int, result_path, seed_value, trained_with)
 
 
 def parse_args(argv=None):

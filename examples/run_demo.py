@@ -8,7 +8,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # devtools
-from devtools.launch import horovodrun_command, split_by_rank  # noqa: E402
+from devtools.launch import horovodrun_command, split_by_rank
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OWN_OUTPUTS = ("--result", "--checkpoint", "--resume", "--tensorboard")  # per job: not passed on

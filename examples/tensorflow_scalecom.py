@@ -26,16 +26,25 @@ import os
 import sys
 import time
 
-import numpy as np
+import horovod.tensorflow as hvd
 import keras
+import numpy as np
 import tensorflow as tf
+from digits_common import (
+    check_trained_with,
+    epoch_steps,
+    fraction,
+    learning_rate,
+    momentum_value,
+    nonnegative_int,
+    positive_int,
+    result_path,
+    seed_value,
+    trained_with,
+)
 from sklearn.datasets import load_digits
 
-import horovod.tensorflow as hvd
 from hvd_scalecom.tensorflow import ScaleCom, make_train_step
-
-from digits_common import (check_trained_with, epoch_steps, fraction, learning_rate, momentum_value,
-                           nonnegative_int, positive_int, result_path, seed_value, trained_with)
 
 
 def parse_args(argv=None):

@@ -10,7 +10,6 @@ disagree on k or on the tensor list would otherwise hang in a collective or dive
 import hashlib
 import json
 
-
 STEPS_HINT = ("(steps lists the parameters' distinct step counters, which choose the leaders: restore every "
               "rank from a state of the same step.)")
 DTYPES_HINT = ("(parameter_dtypes lists the dtypes of named_parameters: a model cast to another dtype on some "

@@ -11,8 +11,15 @@ which validate their settings through these classes too, so both paths accept an
 
 import dataclasses
 
-from hvd_scalecom.config import (INDEX_DTYPES, INT32_INDEX_MAX_NUMEL, INT64_LIMIT, ScaleComConfig, check_dtype_name,
-                                 check_int, check_real)
+from hvd_scalecom.config import (
+    INDEX_DTYPES,
+    INT32_INDEX_MAX_NUMEL,
+    INT64_LIMIT,
+    ScaleComConfig,
+    check_dtype_name,
+    check_int,
+    check_real,
+)
 
 QSPARSE_OPERATORS = ("top_k", "sign_top_k", "qsgd_top_k")
 MAX_SKETCH_COLUMNS = 2**31  # a count sketch's columns stay below it (its hashes: m c < 2**63)

@@ -7,13 +7,12 @@ exactly as it was (tensors compared bit for bit).
 """
 
 
-import numpy as np
 import pytest
 import torch
+from workers.states import same
 
 from hvd_scalecom import sim
 from hvd_scalecom.config import ScaleComConfig
-from workers.states import same
 
 
 def named():
@@ -356,7 +355,7 @@ def trained_pipelined_scalecom():
     """A pipelined ScaleCom holding next-step indices for its compressed parameters."""
     compression = torch_scalecom(ratio=0.1, min_numel=50, pipelined=True)
     state = compression.state_dict()
-    for i, (name, entry) in enumerate(state["params"].items()):
+    for i, entry in enumerate(state["params"].values()):
         numel = compression._slots[i].param.numel()
         entry["step"] = 4
         entry["memory"] = torch.full((numel,), 0.5 + i)

@@ -6,7 +6,6 @@ The network tests need root and ``ip netns``; where they are missing they skip."
 import time
 
 import pytest
-
 from benchmark_smoke import run_smoke
 
 from benchmarks import models

@@ -13,7 +13,6 @@ import time
 
 import pytest
 import torch
-
 from benchmark_smoke import ROOT, run_smoke
 
 from benchmarks import cluster_links, models

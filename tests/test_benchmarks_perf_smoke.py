@@ -13,7 +13,6 @@ import sys
 
 import pytest
 import torch
-
 from benchmark_smoke import ROOT, run_smoke
 
 from benchmarks import slow_link

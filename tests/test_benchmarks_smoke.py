@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 from benchmark_smoke import run_smoke
 
 

@@ -112,6 +112,7 @@ def test_soak_worker_uses_the_examples_pipelined_and_lr_scaling(monkeypatch):
     the torch one scales the learning rate as the example does (it ignored --lr-scaling sqrt)."""
     monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
     from pytorch_scalecom import parse_args
+
     from benchmarks._soak_worker import learning_rate, scalecom_kwargs
 
     args = parse_args(["--pipelined", "--lr", "0.0125", "--lr-scaling", "sqrt"])

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from hvd_scalecom.sketched_qsparse_config import QsparseConfig, SketchedSGDConfig
 from hvd_scalecom.config import ScaleComConfig
 from hvd_scalecom.sim import ScaleCom as SimScaleCom
 from hvd_scalecom.sim import Simulator
+from hvd_scalecom.sketched_qsparse_config import QsparseConfig, SketchedSGDConfig
 
 
 def exact_k(ratio_text, numel):

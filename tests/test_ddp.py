@@ -15,10 +15,10 @@ import sys
 import numpy as np
 import pytest
 import torch
-
-from hvd_scalecom.ddp import ScaleComState, scalecom_hook
-from devtools.launch import run, run_command
 from reference import scalecom_reference, selected_count
+
+from devtools.launch import run, run_command
+from hvd_scalecom.ddp import ScaleComState, scalecom_hook
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(ROOT, "tests", "workers")

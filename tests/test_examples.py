@@ -9,7 +9,6 @@ import re
 
 import pytest
 import torch
-
 from jobs import add_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-
 from jobs import add_run
 
 

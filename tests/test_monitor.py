@@ -26,8 +26,8 @@ def test_stats_scalars():
 
 
 def test_log_stats_to_tensorboard(tmp_path):
-    from torch.utils.tensorboard import SummaryWriter
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
 
     from hvd_scalecom.torch import log_stats
 

@@ -15,9 +15,9 @@ import json
 import numpy as np
 import pytest
 import torch
+from jobs import add_run
 
 from hvd_scalecom.sim import Dense, ScaleCom, Simulator
-from jobs import add_run
 
 NAMES = ["hidden.weight", "hidden.bias", "out.weight", "out.bias"]
 SIZE = 3

@@ -10,12 +10,23 @@ import math
 import numpy as np
 import pytest
 import torch
+from reference import scalecom_reference
 
-from hvd_scalecom.sim import (FP16, Dense, GlobalTopK, GTopK, LocalTopK, PowerSGD, QsparseLocalSGD,
-                              RandomK, ScaleCom, Simulator, SketchedSGD)
+from hvd_scalecom.sim import (
+    FP16,
+    Dense,
+    GlobalTopK,
+    GTopK,
+    LocalTopK,
+    PowerSGD,
+    QsparseLocalSGD,
+    RandomK,
+    ScaleCom,
+    Simulator,
+    SketchedSGD,
+)
 from hvd_scalecom.torch.sketch import CountSketch
 from hvd_scalecom.torch.topk import shared_random_indices
-from reference import scalecom_reference
 
 N = 4
 SHAPES = {"w": (6, 5), "b": (4,)}  # w (30 entries) is compressed, b (4 < min_numel) goes dense
@@ -640,8 +651,9 @@ def test_powersgd_keeps_its_q_through_an_all_zero_gradient():
     _, results = simulate(PowerSGD(rank=2, min_numel=MIN_NUMEL, seed=3), grads)
     Q = torch.randn(5, 2, generator=torch.Generator().manual_seed(3 * 100_003)).double().numpy()
     assert not results[0].update[0].any()
-    for t, result in enumerate(results[1:], 1):  # no error fed back from the zero step
-        M = np.array([g["w"] for g in grads[t]], dtype=np.float64) + (error if t > 1 else 0.0)
+    error = 0.0  # no error fed back from the zero step
+    for t, result in enumerate(results[1:], 1):
+        M = np.array([g["w"] for g in grads[t]], dtype=np.float64) + error
         P_hat = np.linalg.qr(np.mean([M[i] @ Q for i in range(N)], axis=0))[0]
         Q = np.mean([M[i].T @ P_hat for i in range(N)], axis=0)
         approx = P_hat @ Q.T

@@ -8,8 +8,20 @@ import numpy as np
 import pytest
 import torch
 
-from hvd_scalecom.sim import (FP16, Dense, GlobalTopK, GTopK, LocalTopK, PowerSGD, QsparseLocalSGD,
-                              RandomK, ScaleCom, Simulator, SketchedSGD, per_worker_gradients)
+from hvd_scalecom.sim import (
+    FP16,
+    Dense,
+    GlobalTopK,
+    GTopK,
+    LocalTopK,
+    PowerSGD,
+    QsparseLocalSGD,
+    RandomK,
+    ScaleCom,
+    Simulator,
+    SketchedSGD,
+    per_worker_gradients,
+)
 
 
 def mlp(sizes, seed=0):

@@ -12,8 +12,19 @@ import pytest
 import torch
 
 from hvd_scalecom import traffic
-from hvd_scalecom.sim import (FP16, Dense, GlobalTopK, GTopK, LocalTopK, PowerSGD, QsparseLocalSGD,
-                              RandomK, ScaleCom, Simulator, SketchedSGD)
+from hvd_scalecom.sim import (
+    FP16,
+    Dense,
+    GlobalTopK,
+    GTopK,
+    LocalTopK,
+    PowerSGD,
+    QsparseLocalSGD,
+    RandomK,
+    ScaleCom,
+    Simulator,
+    SketchedSGD,
+)
 from hvd_scalecom.traffic import Collective
 
 SHAPES = {"w": (6, 5), "b": (4,)}

@@ -9,7 +9,6 @@ from collections import defaultdict
 
 import numpy as np
 import pytest
-
 from jobs import add_run
 from reference import scalecom_reference
 
@@ -1062,6 +1061,7 @@ def test_keras_helpers_reduce_as_scalecom_expects(tf_modules):
     or process set other than ScaleCom's would make warm-up and compressed steps disagree."""
     keras = pytest.importorskip("keras")
     import horovod.tensorflow as hvd
+
     from hvd_scalecom.tensorflow import DistributedOptimizer, make_train_step
     tf, ScaleCom = tf_modules
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(2)])

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from devtools import launch
-from hvd_scalecom.monitor import residue_norm
 from devtools.timeline import read_operations
+from hvd_scalecom.monitor import residue_norm
 
 EVENTS = [
     {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "allreduce.x0"}},

@@ -5,9 +5,9 @@ import re
 
 import pytest
 import torch
+from jobs import add_run, define_job
 
 from hvd_scalecom.torch import ScaleCom
-from jobs import add_run, define_job
 
 
 def model():

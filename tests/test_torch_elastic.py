@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 import torch
 
 from devtools.launch import HorovodRunError, run_command
@@ -30,6 +29,7 @@ def small_model():
 
 def test_importing_registers_the_handler_once():
     from horovod.torch.elastic.state import get_handler_registry
+
     import hvd_scalecom.torch
     from hvd_scalecom.torch import elastic
 
@@ -56,6 +56,7 @@ def test_the_handler_is_registered_without_importing_the_elastic_module():
 
 def test_torch_state_snapshots_restores_and_resyncs_locally_held_state(monkeypatch):
     import horovod.torch as hvd
+
     from hvd_scalecom.torch import ScaleCom
     from hvd_scalecom.torch.elastic import ScaleComStateHandler
 
@@ -106,7 +107,7 @@ def test_torch_state_snapshots_restores_and_resyncs_locally_held_state(monkeypat
     state._handlers["compression"].sync()
     assert calls == [("scalecom.resync", 0, [5, 5, 5, 5])]
     synced = compression.state_dict()
-    for name, entry in synced["params"].items():
+    for entry in synced["params"].values():
         assert entry["step"] == 7 and "next_indices" not in entry
         if entry["memory"] is not None:
             assert torch.equal(entry["memory"], torch.full_like(entry["memory"], 1.5))

@@ -14,15 +14,15 @@ import json
 import numpy as np
 import pytest
 import torch
+from jobs import add_run, rank_sections
+from reference import QsparseReference
+from test_torch_sketched_sgd import completed
 
 from devtools.launch import HorovodRunError
 from hvd_scalecom.sim import QsparseLocalSGD as SimQsparse
 from hvd_scalecom.sim import Simulator
 from hvd_scalecom.torch.qsparse_steps import compress_delta, decode, encode, mean_of_sparse
 from hvd_scalecom.torch.quantize import qsgd_top_k, sign_top_k
-from reference import QsparseReference
-from jobs import add_run, rank_sections
-from test_torch_sketched_sgd import completed
 
 NAMES = ["hidden.weight", "hidden.bias", "out.weight", "out.bias"]
 NUMEL = {"hidden.weight": 3072, "hidden.bias": 64, "out.weight": 640, "out.bias": 10}
@@ -574,6 +574,7 @@ def test_step_hooks_deepcopy_and_pickle():
     import pickle
 
     import horovod.torch as hvd
+
     from hvd_scalecom.torch import QsparseLocalSGD
 
     hvd.init()  # (one rank, in this process)
@@ -591,7 +592,7 @@ def test_step_hooks_deepcopy_and_pickle():
     step(model, wrapped, 0)
     assert calls == [("pre", True), ("post", True)]
     pairs = [(model, wrapped), copy.deepcopy((model, wrapped)), pickle.loads(pickle.dumps((model, wrapped)))]
-    for m, opt in pairs[1:]:
+    for _, opt in pairs[1:]:
         assert opt.state_dict()["qsparse_local_sgd"]["step"] == 1 and not opt._optimizer_step_pre_hooks
     for t in (1, 2):  # a synchronisation, then a local step
         for m, opt in pairs:
@@ -656,6 +657,7 @@ def test_grad_scaler_unscale_then_step_and_skipped_steps():
     of two); an iteration with inf gradients takes no local step, yet counts (H = 3: the
     synchronisation comes at the third call of step())."""
     import horovod.torch as hvd
+
     from hvd_scalecom.torch import QsparseLocalSGD
 
     hvd.init()  # (one rank, in this process)

@@ -10,7 +10,6 @@ import re
 
 import numpy as np
 import pytest
-
 from jobs import add_run, define_job
 from reference import scalecom_reference
 

@@ -5,10 +5,10 @@ with a clear error within a time limit; none may hang."""
 
 import numpy as np
 import pytest
-
-from devtools.launch import HorovodRunError
 from jobs import add_run, define_job
 from test_torch_scalecom import NAMES, check_against_reference, check_identical_weights
+
+from devtools.launch import HorovodRunError
 
 # The passing runs share the jobs torch_np2_stall and torch_np3_stall (tests/jobs.py: Horovod's stall
 # settings, which ScaleCom follows too, make a wait for indices that never come end the job).

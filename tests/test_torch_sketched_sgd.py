@@ -8,19 +8,18 @@ start-up): :func:`sequence_job` runs the worker several times in one job.
 """
 
 import json
-import os
 import time
 
 import numpy as np
 import pytest
 import torch
+from jobs import add_run, rank_sections
+from reference import SketchedReference
 
 from devtools.launch import HorovodRunError
 from hvd_scalecom.sim import Simulator
 from hvd_scalecom.sim import SketchedSGD as SimSketchedSGD
 from hvd_scalecom.torch.sketch import CountSketch
-from jobs import add_run, rank_sections
-from reference import SketchedReference
 
 NAMES = ["hidden.weight", "hidden.bias", "out.weight", "out.bias"]
 BASE = {"ratio": 0.02, "rows": 3, "columns": 400, "candidates": 2, "momentum": 0.9, "min_numel": 600}
@@ -595,6 +594,7 @@ def test_a_tensor_out_of_lockstep_is_refused_before_anything_changes():
     """0.weight handed over twice in one step (Horovod would not): refused, its step counter unchanged,
     and the step completes as usual once the other tensors are reduced."""
     import horovod.torch as hvd
+
     from hvd_scalecom.torch import SketchedSGD
 
     hvd.init()  # (one rank, in this process)
@@ -668,6 +668,7 @@ def test_the_waits_for_both_rounds_are_counted_apart_from_compression(monkeypatc
     """stats(): the waits for round 1's and round 2's allreduces are index_wait_seconds, which
     compress_seconds leaves out (here each collective is made to take at least 0.2 s longer)."""
     import horovod.torch as hvd
+
     from hvd_scalecom.torch import SketchedSGD, sketched_sgd
 
     hvd.init()  # (one rank, in this process)

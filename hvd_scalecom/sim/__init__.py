@@ -15,8 +15,8 @@ from hvd_scalecom.sim.qsparse import QsparseLocalSGD
 from hvd_scalecom.sim.simulator import Simulator, StepResult
 from hvd_scalecom.sim.sketched import SketchedSGD
 from hvd_scalecom.sim.sparse import FP16, Dense, GlobalTopK, GTopK, LocalTopK, RandomK, ScaleCom
-from hvd_scalecom.traffic import Collective, StepRecord
 from hvd_scalecom.sim.workers import per_worker_gradients
+from hvd_scalecom.traffic import Collective, StepRecord
 
 __all__ = ["Simulator", "StepResult", "Scheme", "TensorSpec", "StepRecord", "Collective",
            "Dense", "FP16", "ScaleCom", "LocalTopK", "GlobalTopK", "GTopK", "RandomK", "SketchedSGD",

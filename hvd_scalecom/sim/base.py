@@ -18,8 +18,8 @@ import dataclasses
 import torch
 
 from hvd_scalecom.config import ScaleComConfig
-from hvd_scalecom.traffic import StepRecord
 from hvd_scalecom.torch import clt_k
+from hvd_scalecom.traffic import StepRecord
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -19,9 +19,9 @@ import torch
 
 from hvd_scalecom.config import ScaleComConfig, check_int
 from hvd_scalecom.sim.base import Scheme, mean_over_workers
-from hvd_scalecom.traffic import dtype_name, itemsize
 from hvd_scalecom.torch import clt_k
 from hvd_scalecom.torch.powersgd import approximation, as_matrix, left_factor, orthogonalise_, right_factor
+from hvd_scalecom.traffic import dtype_name, itemsize
 
 
 class PowerSGD(Scheme):

@@ -32,12 +32,12 @@ import math
 
 import torch
 
-from hvd_scalecom.sketched_qsparse_config import QSPARSE_OPERATORS, QsparseConfig
 from hvd_scalecom.config import ScaleComConfig, check_real
 from hvd_scalecom.sim.base import Scheme
-from hvd_scalecom.traffic import StepRecord
+from hvd_scalecom.sketched_qsparse_config import QSPARSE_OPERATORS, QsparseConfig
 from hvd_scalecom.torch import clt_k
 from hvd_scalecom.torch.qsparse_steps import check_generator_state, compress_delta, mean_of_sparse, memory_kept
+from hvd_scalecom.traffic import StepRecord
 
 OPERATORS = QSPARSE_OPERATORS
 

@@ -13,8 +13,8 @@ import torch
 
 from hvd_scalecom.config import check_int
 from hvd_scalecom.sim.base import Scheme, TensorSpec
-from hvd_scalecom.traffic import ITEMSIZE, StepRecord, dtype_name
 from hvd_scalecom.torch.parameters import named_parameter_list
+from hvd_scalecom.traffic import ITEMSIZE, StepRecord, dtype_name
 
 _SUMMED = ("index_bytes", "value_bytes", "dense_bytes", "payload_bytes", "sent_index_bytes",
            "sent_value_bytes", "sent_dense_bytes", "sent_bytes", "uncompressed_bytes",

@@ -38,16 +38,25 @@ import functools
 
 import torch
 
-from hvd_scalecom.sketched_qsparse_config import SketchedSGDConfig
 from hvd_scalecom.config import ScaleComConfig
 from hvd_scalecom.sim.base import Scheme, mean_over_workers, public
-from hvd_scalecom.traffic import StepRecord
+from hvd_scalecom.sketched_qsparse_config import SketchedSGDConfig
 from hvd_scalecom.torch import clt_k
 from hvd_scalecom.torch.dtypes import wire_dtype
 from hvd_scalecom.torch.sketch import CountSketch
-from hvd_scalecom.torch.sketched_steps import (accumulate_, applied_update, heavy_candidates, momentum_,
-                                               reset_nonfinite_, select_applied, skip_nonfinite_, vector_dtype,
-                                               warmup_wire_dtype, zero_applied_)
+from hvd_scalecom.torch.sketched_steps import (
+    accumulate_,
+    applied_update,
+    heavy_candidates,
+    momentum_,
+    reset_nonfinite_,
+    select_applied,
+    skip_nonfinite_,
+    vector_dtype,
+    warmup_wire_dtype,
+    zero_applied_,
+)
+from hvd_scalecom.traffic import StepRecord
 
 
 class SketchedSGD(Scheme):

@@ -23,10 +23,10 @@ import torch
 
 from hvd_scalecom.config import VALUE_DTYPES, ScaleComConfig, check_dtype_name, check_int
 from hvd_scalecom.sim.base import Scheme, mean_over_workers
-from hvd_scalecom.traffic import dtype_name
 from hvd_scalecom.state_checks import check_next_indices
 from hvd_scalecom.torch import clt_k
 from hvd_scalecom.torch.topk import flat_indices, gtopk_merge, select_top_k_rows, shared_random_indices
+from hvd_scalecom.traffic import dtype_name
 
 
 class Dense(Scheme):

@@ -18,6 +18,7 @@ def log_stats(writer, compression, step):
     import contextlib
 
     import tensorflow as tf
+
     from hvd_scalecom.monitor import stats_scalars
     scalars = stats_scalars(compression.stats())
     with writer.as_default() if writer is not None else contextlib.nullcontext():

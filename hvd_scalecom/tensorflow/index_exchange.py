@@ -16,8 +16,8 @@ same error on every rank). ScaleCom's collectives use ``ignore_name_scope``: Hor
 by node names, which carry counters of the functions TF inlines.
 """
 
-import tensorflow as tf
 import horovod.tensorflow as hvd
+import tensorflow as tf
 
 from hvd_scalecom.tensorflow import clt_k
 from hvd_scalecom.tensorflow.graph import stamp

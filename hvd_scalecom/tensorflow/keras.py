@@ -16,9 +16,9 @@ packages that::
         loss = step(x, y)
 """
 
+import horovod.tensorflow as hvd
 import keras
 import tensorflow as tf
-import horovod.tensorflow as hvd
 
 from hvd_scalecom.config import check_int
 from hvd_scalecom.tensorflow.scalecom import ScaleCom

@@ -124,7 +124,7 @@ class StateAndStatistics:
             if "next_indices" in entry:
                 ahead[name] = check_next_indices(name, entry["next_indices"], slot.k, slot.numel,
                                                  self.config.pipelined and slot.compressible, steps[name])
-        for name, entry in params.items():
+        for name in params:
             slot = self._by_name[name]
             slot.step.assign(steps[name])
             slot.tally.assign([0, 0])

@@ -19,9 +19,9 @@ Gradients are matched to variables by position (:mod:`hvd_scalecom.tensorflow.gr
 import itertools
 import math
 
+import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
-import horovod.tensorflow as hvd
 from horovod.tensorflow.compression import Compressor
 from tensorflow.python.ops import control_flow_util
 
@@ -30,8 +30,9 @@ from hvd_scalecom.config import HOROVOD_VALUE_DTYPES, INDEX_DTYPES, ScaleComConf
 from hvd_scalecom.tensorflow import clt_k
 from hvd_scalecom.tensorflow.gradient_matching import GradientMatching
 from hvd_scalecom.tensorflow.graph import graph_of, stamp
-from hvd_scalecom.tensorflow.index_exchange import MODES as INDEX_EXCHANGES, IndexExchangeGraph
-from hvd_scalecom.tensorflow.saved_state import TIMING_STEPS, StateAndStatistics, SavedConfiguration
+from hvd_scalecom.tensorflow.index_exchange import MODES as INDEX_EXCHANGES
+from hvd_scalecom.tensorflow.index_exchange import IndexExchangeGraph
+from hvd_scalecom.tensorflow.saved_state import TIMING_STEPS, SavedConfiguration, StateAndStatistics
 from hvd_scalecom.tensorflow.variables import dtype_text, variable_specs
 
 _instances = itertools.count()

@@ -29,12 +29,29 @@ from hvd_scalecom import config, native
 from hvd_scalecom.selection_rule import CUDA_THRESHOLD_MIN_NUMEL as _CUDA_THRESHOLD_MIN_NUMEL  # noqa: F401
 from hvd_scalecom.selection_rule import sample_plan as _sample_plan  # noqa: F401
 from hvd_scalecom.selection_rule import thresholded as _thresholded
-from hvd_scalecom.torch.kernel_calls import (Marks, _check_advancing, _check_pairs, _flat, _keep_rounding_error_,  # noqa: F401
-                                             _mark, _marked_dtype, _native_applies, _native_filter_and_scatter_,
-                                             _native_filter_and_scatter_cut_, _native_pair, _out_of_range,
-                                             kernels_for)
-from hvd_scalecom.torch.threshold_select import (_at_least, _at_least_masked, _native_select,  # noqa: F401
-                                                 _sample_positions, _sampled_selection, _sampled_threshold)
+from hvd_scalecom.torch.kernel_calls import (  # noqa: F401
+    Marks,
+    _check_advancing,
+    _check_pairs,
+    _flat,
+    _keep_rounding_error_,
+    _mark,
+    _marked_dtype,
+    _native_applies,
+    _native_filter_and_scatter_,
+    _native_filter_and_scatter_cut_,
+    _native_pair,
+    _out_of_range,
+    kernels_for,
+)
+from hvd_scalecom.torch.threshold_select import (  # noqa: F401
+    _at_least,
+    _at_least_masked,
+    _native_select,
+    _sample_positions,
+    _sampled_selection,
+    _sampled_threshold,
+)
 
 
 def memory_dtype(grad_dtype):

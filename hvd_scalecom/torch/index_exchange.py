@@ -7,8 +7,8 @@ ScaleCom so that no order of gradient hooks can deadlock.
 
 from typing import NamedTuple, Optional
 
-import torch
 import horovod.torch as hvd
+import torch
 
 from hvd_scalecom.torch.collectives import wait
 

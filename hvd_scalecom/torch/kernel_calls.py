@@ -8,6 +8,7 @@ import torch
 
 from hvd_scalecom import native
 
+
 def kernels_for(*tensors):
     """The C kernels (:func:`hvd_scalecom.native.library`) if they can take ``tensors`` (contiguous
     fp32 CPU tensors), else None."""

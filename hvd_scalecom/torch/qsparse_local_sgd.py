@@ -39,19 +39,25 @@ allreduce instead, which saves nothing on the wire. An allgather grows with n: e
 import time
 from collections import OrderedDict
 
-import torch
 import horovod.torch as hvd
+import torch
 
 from hvd_scalecom.agreement import DTYPES_HINT, dtype_names, shapes_digest
+from hvd_scalecom.config import check_int
 from hvd_scalecom.sketched_qsparse_config import QsparseConfig
 from hvd_scalecom.torch import clt_k
-from hvd_scalecom.config import check_int
 from hvd_scalecom.torch.collectives import check_agreement, check_process_set, stall_times, tensors_digest
 from hvd_scalecom.torch.dtypes import wire_dtype
 from hvd_scalecom.torch.parameters import named_parameter_list
+from hvd_scalecom.torch.qsparse_steps import (
+    check_generator_state,
+    compress_delta,
+    decode,
+    mean_of_sparse,
+    memory_kept,
+    payload_dtypes,
+)
 from hvd_scalecom.torch.saved_state import as_memory_of, check_state_entry
-from hvd_scalecom.torch.qsparse_steps import (check_generator_state, compress_delta, decode, mean_of_sparse,
-                                              memory_kept, payload_dtypes)
 from hvd_scalecom.traffic import TrafficMeter, allgather_bytes_sent, allreduce_bytes_sent
 
 PAYLOAD_NAME = "qsparse_local_sgd.payload"

@@ -15,8 +15,8 @@ import time
 import weakref
 from typing import NamedTuple, Optional
 
-import torch
 import horovod.torch as hvd
+import torch
 from horovod.torch.compression import Compressor
 
 from hvd_scalecom.agreement import DTYPES_HINT, STEPS_HINT, dtype_names, shapes_digest
@@ -25,10 +25,10 @@ from hvd_scalecom.state_checks import check_loss_scale, check_next_indices, chec
 from hvd_scalecom.torch import clt_k
 from hvd_scalecom.torch.collectives import check_agreement, check_process_set, stall_times
 from hvd_scalecom.torch.dtypes import TORCH_DTYPES, as_dtype, dense_on_the_wire, wire_dtype
-from hvd_scalecom.torch.index_exchange import MODES as INDEX_EXCHANGES, IndexExchange
+from hvd_scalecom.torch.index_exchange import MODES as INDEX_EXCHANGES
+from hvd_scalecom.torch.index_exchange import IndexExchange
 from hvd_scalecom.torch.loss_scale import check_loss_scaler, follow_loss_scale, restored_loss_scale
-from hvd_scalecom.torch.parameters import (GradientLookup, handed_back, named_parameter_list,
-                                           refuse_second_reduction)
+from hvd_scalecom.torch.parameters import GradientLookup, handed_back, named_parameter_list, refuse_second_reduction
 from hvd_scalecom.torch.saved_state import as_memory_of, check_state_entry
 from hvd_scalecom.traffic import TrafficMeter
 

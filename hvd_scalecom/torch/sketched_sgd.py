@@ -55,8 +55,8 @@ import time
 import warnings
 import weakref
 
-import torch
 import horovod.torch as hvd
+import torch
 from horovod.common.exceptions import HorovodInternalError
 from horovod.torch.compression import Compressor
 
@@ -67,13 +67,21 @@ from hvd_scalecom.torch import clt_k
 from hvd_scalecom.torch.collectives import check_agreement, check_process_set, stall_times
 from hvd_scalecom.torch.dtypes import dense_on_the_wire, wire_dtype
 from hvd_scalecom.torch.loss_scale import check_loss_scaler, follow_loss_scale, restored_loss_scale
-from hvd_scalecom.torch.parameters import (GradientLookup, handed_back, named_parameter_list,
-                                           refuse_second_reduction)
+from hvd_scalecom.torch.parameters import GradientLookup, handed_back, named_parameter_list, refuse_second_reduction
 from hvd_scalecom.torch.saved_state import as_memory_of, check_state_entry
 from hvd_scalecom.torch.sketch import CountSketch
-from hvd_scalecom.torch.sketched_steps import (accumulate_, applied_update, heavy_candidates, momentum_,
-                                               reset_nonfinite_, select_applied, skip_nonfinite_, vector_dtype,
-                                               warmup_wire_dtype, zero_applied_)
+from hvd_scalecom.torch.sketched_steps import (
+    accumulate_,
+    applied_update,
+    heavy_candidates,
+    momentum_,
+    reset_nonfinite_,
+    select_applied,
+    skip_nonfinite_,
+    vector_dtype,
+    warmup_wire_dtype,
+    zero_applied_,
+)
 from hvd_scalecom.traffic import TrafficMeter, allreduce_bytes_sent
 
 NAME = "sketched_sgd"  # the default prefix of the two rounds' collectives: <name>.sketch, <name>.candidates

@@ -14,6 +14,7 @@ from hvd_scalecom import native, selection_rule
 from hvd_scalecom.selection_rule import expected_candidates as _expected_candidates
 from hvd_scalecom.selection_rule import sample_plan as _sample_plan
 
+
 def _sampled_selection(p, k):
     """Steps 1-3 of ``"threshold"`` with torch operations (``p`` flat): the k indices, or None where
     fewer than k entries reach the sampled threshold (or it is 0)."""

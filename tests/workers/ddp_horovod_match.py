@@ -5,13 +5,12 @@ options (unused), output directory; writes ``rank<R>.npz`` with ``final/<name>``
 import os
 import sys
 
+import ddp_common  # (this folder, the script's, is first on sys.path)
+import horovod.torch as hvd
 import numpy as np
 import torch
 
-import horovod.torch as hvd
 from hvd_scalecom.torch import ScaleCom
-
-import ddp_common  # (this folder, the script's, is first on sys.path)
 
 torch.set_num_threads(1)
 hvd.init()

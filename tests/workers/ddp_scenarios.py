@@ -21,6 +21,7 @@ import json
 import os
 import sys
 
+import ddp_common  # (this folder, the script's, is first on sys.path)
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -29,8 +30,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from hvd_scalecom.ddp import ScaleComState, scalecom_hook
 from hvd_scalecom.monitor import residue_norm, stats_scalars
 from hvd_scalecom.torch import log_stats
-
-import ddp_common  # (this folder, the script's, is first on sys.path)
 
 torch.set_num_threads(1)
 opts = json.loads(sys.argv[1])

@@ -10,8 +10,8 @@ opts = json.loads(sys.argv[1])
 out_dir = sys.argv[2]
 
 if opts["framework"] == "torch":
-    import torch
     import horovod.torch as hvd
+    import torch
 
     hvd.init()
     rank = hvd.rank()
@@ -20,8 +20,8 @@ if opts["framework"] == "torch":
     bcast = hvd.broadcast(torch.full((4,), float(rank + 1)), root_rank=hvd.size() - 1, name="smoke.bcast")
     result = {"sum": summed.numpy(), "avg": averaged.numpy(), "bcast": bcast.numpy()}
 else:
-    import tensorflow as tf
     import horovod.tensorflow as hvd
+    import tensorflow as tf
 
     hvd.init()
     rank = hvd.rank()

@@ -13,11 +13,11 @@ import json
 import os
 import sys
 
+import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
-
-import horovod.tensorflow as hvd
 from tf_model import batch, loss_of
+
 from hvd_scalecom.tensorflow import ScaleCom
 
 try:

@@ -11,10 +11,10 @@ shape (None, 16).
 import os
 import sys
 
+import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-import horovod.tensorflow as hvd
 from hvd_scalecom.tensorflow import ScaleCom
 
 try:

@@ -29,10 +29,10 @@ import json
 import os
 import sys
 
+import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-import horovod.tensorflow as hvd
 from hvd_scalecom.tensorflow import ScaleCom
 
 try:
@@ -154,6 +154,7 @@ record["xla/steps"] = np.array([int(s.numpy()) for s in xla_compression.steps])
 record["xla/moved"] = np.array(any(bool(np.any(w.numpy() != (i + 1))) for i, w in enumerate(xla_weights)))
 
 import keras  # noqa: E402
+
 from hvd_scalecom.tensorflow import DistributedOptimizer, make_train_step  # noqa: E402
 
 x = tf.constant(np.random.default_rng(rank).standard_normal([16, 48]), tf.float32)

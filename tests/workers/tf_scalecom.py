@@ -18,11 +18,11 @@ import json
 import os
 import sys
 
+import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
-
-import horovod.tensorflow as hvd
 from tf_model import batch, loss_of
+
 from hvd_scalecom.tensorflow import ScaleCom, log_stats
 
 try:
@@ -57,8 +57,14 @@ def make_compression(variables):
 
 if mode == "keras":
     import keras
-    from hvd_scalecom.tensorflow import (BroadcastInitialState, DistributedOptimizer, LogStats,
-                                         gradient_sources, make_train_step)
+
+    from hvd_scalecom.tensorflow import (
+        BroadcastInitialState,
+        DistributedOptimizer,
+        LogStats,
+        gradient_sources,
+        make_train_step,
+    )
 
     keras.backend.clear_session()  # (as in a new process: tests/workers/sequence.py runs several runs in one)
     keras.utils.set_random_seed(0)

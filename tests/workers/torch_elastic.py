@@ -23,12 +23,13 @@ import os
 import sys
 import time
 
+import horovod.torch as hvd
 import numpy as np
 import torch
-
-import horovod.torch as hvd
 from horovod.common.exceptions import HorovodInternalError
-from hvd_scalecom.torch import ScaleCom, clt_k, scalecom as compressor
+
+from hvd_scalecom.torch import ScaleCom, clt_k
+from hvd_scalecom.torch import scalecom as compressor
 from hvd_scalecom.torch.collectives import tensors_digest
 
 torch.set_num_threads(1)

@@ -20,14 +20,13 @@ import os
 import sys
 import time
 
+import horovod.torch as hvd
+import lingering  # (this folder, the script's, is first on sys.path)
 import numpy as np
 import torch
 
-import horovod.torch as hvd
 from hvd_scalecom import native
 from hvd_scalecom.torch import ScaleCom, clt_k
-
-import lingering  # (this folder, the script's, is first on sys.path)
 
 lingering.install()
 torch.set_num_threads(1)

@@ -24,12 +24,12 @@ import json
 import os
 import sys
 
+import horovod.torch as hvd
 import numpy as np
 import torch
-
-import horovod.torch as hvd
-from hvd_scalecom.torch import SketchedSGD
 from states import same  # (tests/workers/states.py)
+
+from hvd_scalecom.torch import SketchedSGD
 
 torch.set_num_threads(1)
 opts = json.loads(sys.argv[1])

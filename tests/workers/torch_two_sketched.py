@@ -7,15 +7,14 @@ hvd.DistributedOptimizer. ``names``: the two instances' ``name=`` (null: the def
 ``rank<R>.npz``: ``max_difference`` (over the weights, after ``steps`` steps) and ``final/<i>.<name>``.
 """
 
-import copy
 import json
 import os
 import sys
 
+import horovod.torch as hvd
 import numpy as np
 import torch
 
-import horovod.torch as hvd
 from hvd_scalecom.torch import SketchedSGD
 
 torch.set_num_threads(1)
