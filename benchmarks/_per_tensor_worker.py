@@ -7,7 +7,8 @@ For each size, every compression gets a model of its own (``--tensors`` paramete
 entries; the loss ``sum_i (w_i * x_i).sum()`` makes each gradient ``x_i``, drawn afresh from a pool
 of three) and its own ``hvd.DistributedOptimizer``; the compressions take turns step by step. A step
 is ``zero_grad``, ``backward`` (the gradient hooks, where the compressor runs) and ``synchronize``,
-timed on every rank after a barrier; the step time is the slowest rank's. ScaleCom's ``stats(step)`` give its compute (``compress`` and
+timed on every rank after a barrier; the step time is the slowest rank's. ScaleCom's ``stats(step)``
+give its compute (``compress`` and
 ``decompress``, index waits excluded) and its waits for the leader's indices, split by whether the
 rank led the step (with the cyclic leader every tensor of step t has the leader t mod size). Rank
 0 writes ``RESULT.json``.

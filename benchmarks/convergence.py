@@ -13,7 +13,8 @@ Parts:
    per task shared by every scheme (:data:`RECIPES`); bytes-matched schemes get their knob per
    (task, n) from :func:`benchmarks.convergence_schemes.match_knob`;
 2. the n = 64 digits criterion (ScaleCom within 1 point of dense): three more seeds of both, ScaleCom
-   with the exact (``torch.topk``) selection on all five, and the sensitivity of both to the recipe (no compression warm-up, smaller batch, learning-rate scaling)
+   with the exact (``torch.topk``) selection on all five, and the sensitivity of both to the recipe (no
+   compression warm-up, smaller batch, learning-rate scaling)
    and of ScaleCom to beta; on the language model, a 4x larger per-worker batch;
 3. dense and ScaleCom on digits under ``horovodrun -np 4`` against the simulator's replay.
 

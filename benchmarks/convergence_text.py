@@ -361,7 +361,8 @@ def _what_it_takes(R, crit):
         f"{peak('scalecom_beta0.3', 'beta sweep'):.2g} and {peak('scalecom_beta0.5', 'beta sweep'):.2g}), "
         f"beta 1 (classic error feedback) {rep.fmt_metric(b1)} with a residue peak of "
         f"{peak('scalecom_b1'):.2g}. The filter is what keeps the memory bounded here.",
-        f"* **learning-rate scaling**: linear scaling (peak 1.6) gives {_sens(R, 'lr scaled linearly with n', 'dense')} "
+        "* **learning-rate scaling**: linear scaling (peak 1.6) gives "
+        f"{_sens(R, 'lr scaled linearly with n', 'dense')} "
         f"for dense and {_sens(R, 'lr scaled linearly with n', 'scalecom')} for ScaleCom; no scaling (0.1) "
         f"{_sens(R, 'lr not scaled with n', 'dense')} against {_sens(R, 'lr not scaled with n', 'scalecom')}. "
         "Square-root scaling (the main recipe) is the one that trains both.",
@@ -398,7 +399,8 @@ def _horovod_text(results):
         + (f"; at epoch {first} they part, and end at {100 * job['accuracy']:.2f}% against "
            f"{100 * sim['accuracy']:.2f}% after epoch {epochs}" if first else "") + ". "
         + ("Two runs of the same job are not bit-identical either: their printed losses first differ "
-           f"at epoch {jobs_loss} ({_beyond_rule(job, again)} by the table's rule), most likely because Horovod fuses tensors into buffers as they become "
+           f"at epoch {jobs_loss} ({_beyond_rule(job, again)} by the table's rule), most likely because Horovod "
+           "fuses tensors into buffers as they become "
            "ready, and an entry's place in a fused buffer decides the order of the ring's sums; "
            "training then amplifies such rounding "
            "differences. " if jobs_loss else "")

@@ -54,7 +54,8 @@ def markdown(rows, seeds, command, epochs=25):
         "# ScaleCom on PyTorch and on TensorFlow",
         "",
         f"Made by `{command}`: `horovodrun -np 2` of each example with its defaults (digits MLP, "
-        f"167,178 parameters, {epochs} epoch{'s' if epochs > 1 else ''}, ratio 0.01, beta 0.5), seeds {', '.join(map(str, seeds))}. "
+        f"167,178 parameters, {epochs} epoch{'s' if epochs > 1 else ''}, ratio 0.01, beta 0.5), "
+        f"seeds {', '.join(map(str, seeds))}. "
         "The frameworks draw different initial weights and batch orders from the same seed, so runs "
         "are compared through their spread over seeds, not pair by pair.",
         "",
@@ -84,7 +85,8 @@ def main(argv=None):
                     help="default 0 1 2 3 4; 0 with --smoke")
     ap.add_argument("--dense", action="store_true", help="also run each example dense")
     ap.add_argument("--report-only", action="store_true", help="rewrite the page from its JSON")
-    ap.add_argument("--out", type=output_file, default=None, help="default: docs/frontends.md (a temporary file in --smoke)")
+    ap.add_argument("--out", type=output_file, default=None,
+                    help="default: docs/frontends.md (a temporary file in --smoke)")
     args = ap.parse_args(argv)
     args.out = output_path(args.out, args.smoke, "frontends.md")
     # (--smoke sets what is not given: an option given with it is not ignored)

@@ -246,12 +246,15 @@ def markdown(result, command):
         "`torch.topk` at every size; *non-leader*: `take_checking` and `filter_and_scatter_`. *Sampled",
         "threshold*: that path alone at every size (a threshold from a sample, one read to the host, a",
         "mask of `|p| >= t`, its `nonzero`, `torch.topk` among the candidates). *Gradient write",
-        "alone*: `g.zero_()`; *synchronisation alone*: `torch.cuda.synchronize()` with nothing queued. Same indices as the CPU: the leader's selection on the device against torch",
+        "alone*: `g.zero_()`; *synchronisation alone*: `torch.cuda.synchronize()` with nothing queued. "
+        "Same indices as the CPU: the leader's selection on the device against torch",
         "operations on the CPU; the largest difference of m and g from the CPU's, relative to their",
         "largest entry, follows (the device may fuse `m + beta g` into one multiply-add).",
         "",
-        "| entries | ratio | floor | floor GB/s | synchronisation alone | gradient write alone | leader | leader, exact top-k | "
-        "non-leader | selection, threshold | selection, exact | selection, sampled threshold | overlap (sampled threshold) | same indices as the CPU | "
+        "| entries | ratio | floor | floor GB/s | synchronisation alone | gradient write alone | "
+        "leader | leader, exact top-k | "
+        "non-leader | selection, threshold | selection, exact | selection, sampled threshold | "
+        "overlap (sampled threshold) | same indices as the CPU | "
         "largest difference from the CPU, leader / non-leader |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
@@ -259,10 +262,13 @@ def markdown(result, command):
         diff = max(r["leader_diff"]), max(r["non_leader_diff"])
         lines.append(
             f"| {r['numel']:,} | {r['ratio']:g} | {r['floor_ms']:.3f} ms | {r['floor_gbps']:.0f} | "
-            + " | ".join(cell(r, name) for name in ("synchronisation alone", "gradient write alone", "leader", "leader, exact top-k",
+            + " | ".join(cell(r, name) for name in ("synchronisation alone", "gradient write alone", "leader",
+                                                     "leader, exact top-k",
                                                      "non-leader", "selection (threshold)", "selection (exact)",
                                                      "selection (sampled threshold)"))
-            + f" | {r['overlap']:.4f} ({'fell back' if r['sampled_overlap'] is None else format(r['sampled_overlap'], '.4f')}) | {'yes' if r['same_indices_as_cpu'] else 'no'} | "
+            + f" | {r['overlap']:.4f} "
+            f"({'fell back' if r['sampled_overlap'] is None else format(r['sampled_overlap'], '.4f')}) | "
+            f"{'yes' if r['same_indices_as_cpu'] else 'no'} | "
             f"{diff[0]:.1e} / {diff[1]:.1e} |")
     lines += [
         "",
@@ -294,9 +300,11 @@ def device_name(text):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    ap.add_argument("--device", type=device_name, default="cuda", help="torch device (default cuda; cpu for the smoke test)")
+    ap.add_argument("--device", type=device_name, default="cuda",
+                    help="torch device (default cuda; cpu for the smoke test)")
     ap.add_argument("--smoke", action="store_true", help="one tensor of 65,536 entries, 3 rounds, into a temp dir")
-    ap.add_argument("--sizes", type=number(int, minimum=1024), nargs="+", default=None, help="entries per tensor (default 2^20 and 25M)")
+    ap.add_argument("--sizes", type=number(int, minimum=1024), nargs="+", default=None,
+                    help="entries per tensor (default 2^20 and 25M)")
     ap.add_argument("--ratios", type=RATIO, nargs="+", default=None, help="default 0.01 and 0.001")
     ap.add_argument("--rounds", type=COUNT, default=None, help="rounds per variant (default 50; 3 with --smoke)")
     ap.add_argument("--out", type=output_file, default=None, help="markdown file (default docs/performance.md)")

@@ -227,7 +227,8 @@ def markdown(rows, command, load, figure=None):
         "no indices. *Non-leader, C passes alone*: its three C calls (marking I, the pass of compress,",
         "the pass of decompress) with their pointers resolved once, no Python around them (on tensors of",
         "2^19 entries or more). *Leader, I from the indices*: its decompress marks I from the indices at every",
-        "size (as the C kernels built without AVX-512 do). *Gradient write alone*: `g.zero_()`, the writing of a dense tensor of the",
+        "size (as the C kernels built without AVX-512 do). *Gradient write alone*: `g.zero_()`, the writing of a "
+        "dense tensor of the",
         "gradient's size that `decompress` owes Horovod on top of the floor's traffic.",
         "*Torch operations*: the same steps as torch calls, the path taken with",
         "`HVD_SCALECOM_NATIVE=0` and on CUDA. All paths give bit-identical results (`tests/test_native.py`).",
@@ -325,8 +326,10 @@ def plot_rows(rows, path):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--smoke", action="store_true", help="two small tensors (1e5 and 2^19 entries), two rounds")
-    ap.add_argument("--out", type=output_file, default=None, help="default: docs/performance.md (a temporary file in --smoke)")
-    ap.add_argument("--plot", type=output_file, default=None, help="PNG path (default: docs/kernels.png; none in --smoke)")
+    ap.add_argument("--out", type=output_file, default=None,
+                    help="default: docs/performance.md (a temporary file in --smoke)")
+    ap.add_argument("--plot", type=output_file, default=None,
+                    help="PNG path (default: docs/kernels.png; none in --smoke)")
     ap.add_argument("--rounds", type=COUNT, default=None)
     ap.add_argument("--sizes", type=number(int, minimum=1024), nargs="+", default=None)
     ap.add_argument("--ratios", type=RATIO, nargs="+", default=[0.01, 0.001])
@@ -347,7 +350,8 @@ def main(argv=None):
             rows.append(r)
             print(f"{r['numel']:>11,} ratio {r['ratio']:<6g} {env_name:24s} floor {r['floor_ms']:7.2f} ms "
                   f"({r['floor_gbps']:5.1f} GB/s)  leader {r['x']['leader']:5.2f}x  non-leader "
-                  f"{r['x']['non-leader']:5.2f}x (k=0 {r['x']['non-leader, k = 0']:4.2f}x, in place {r['x']['non-leader, in place']:4.2f}x)  "
+                  f"{r['x']['non-leader']:5.2f}x (k=0 {r['x']['non-leader, k = 0']:4.2f}x, "
+                  f"in place {r['x']['non-leader, in place']:4.2f}x)  "
                   f"vs fused pass ({r['x'][FUSED]:4.2f}x): leader {r['x_fused']['leader']:5.2f}x non-leader "
                   f"{r['x_fused']['non-leader']:5.2f}x  torch: leader {r['x']['leader, torch operations']:5.2f}x"
                   f"  non-leader {r['x']['non-leader, torch operations']:5.2f}x  overlap {r['overlap']:.4f}",

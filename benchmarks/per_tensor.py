@@ -7,7 +7,8 @@ and writes its section of docs/performance.md.
 A ``horovodrun -np 2`` job (Gloo, one thread per worker, no shaped link) times the backward pass and
 ``synchronize()`` of models of ``--tensors`` parameters of each size under dense, Horovod's fp16,
 ScaleCom (its indices shared by an allgather, the default, or by a broadcast) and pipelined ScaleCom
-(``benchmarks/_per_tensor_worker.py``), side by side in one job (taking turns step by step), and reads ScaleCom's compute
+(``benchmarks/_per_tensor_worker.py``), side by side in one job (taking turns step by step), and reads
+ScaleCom's compute
 per tensor from its ``stats()``. Then, in this process, ``benchmarks.kernels`` times the ``clt_k``
 calls a leader and a non-leader make for one tensor of each size (warm, in a loop: what the
 compressor costs before its bookkeeping and Horovod's collectives) and the floor, ``m.add_(g)``.
@@ -47,7 +48,8 @@ def markdown(result, command):
         "## Per-tensor cost: many small tensors",
         "",
         f"Made by `{command}`: one `horovodrun -np {result['size']}` job (Gloo, one thread per worker, "
-        f"loopback, a {os.cpu_count()}-core {cpu()}), ratio {result['ratio']}, {result['steps']} timed steps after {result['warmup']}.",
+        f"loopback, a {os.cpu_count()}-core {cpu()}), ratio {result['ratio']}, "
+        f"{result['steps']} timed steps after {result['warmup']}.",
         "A step is the backward pass and `synchronize()` of a model of that many parameters of that",
         "size (each gradient a fixed random tensor), the slowest rank's time, median over the steps;",
         "the compressions take turns step by step, in a rotating order.",
@@ -79,7 +81,8 @@ def markdown(result, command):
                           if "non-leader" in by_key[(numel, s)]["per_tensor"] else "-"
                           for s in ("scalecom", "scalecom, broadcast"))
         lines.append(f"| {numel:,} | {tensors} | {dense:.2f} | {step('fp16')} | {step('scalecom')} | "
-                     f"{step('scalecom, broadcast')} | {step('scalecom, pipelined')} | {compute} | {alone['leader']:.1f} / "
+                     f"{step('scalecom, broadcast')} | {step('scalecom, pipelined')} | {compute} | "
+                     f"{alone['leader']:.1f} / "
                      f"{alone['non-leader']:.1f} | {alone['floor']:.1f} | {wait} |")
     return "\n".join(lines) + "\n"
 

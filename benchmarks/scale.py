@@ -135,7 +135,8 @@ def measure(args):
             leaders = len({t % ranks for t in range(spec["warmup_steps"], spec["steps"])})
             wire = result["wire_bytes"]
             rows.append({**result, "compression": compression, "leaders": leaders,
-                         "wire_bytes_per_worker_step": None if wire is None else wire / ranks / result["measured_steps"],
+                         "wire_bytes_per_worker_step":
+                             None if wire is None else wire / ranks / result["measured_steps"],
                          "job_seconds": time.perf_counter() - started})
             print(f"{compression} {ranks} ranks: reference matched, {leaders} leaders, "
                   f"{rows[-1]['step_seconds'] * 1e3:.1f} ms/step, "
@@ -151,7 +152,8 @@ def markdown(rows, in_namespace, command):
         "ratio 0.01, beta 1) and a 64-entry one (dense), one dense warm-up step, then one step more than "
         "there are ranks, so that every rank leads; time, bytes and stats() are those of the steps after the "
         "first compressed one. *Reference*: the final weights were bitwise equal on "
-        "all ranks and matched the NumPy reference of the equations. Wire bytes: the job's own loopback, per worker per step, with TCP/IP headers and "
+        "all ranks and matched the NumPy reference of the equations. Wire bytes: the job's own loopback, "
+        "per worker per step, with TCP/IP headers and "
         "Horovod's coordination messages" + ("" if in_namespace else " (not measured: needs root)") + ". "
         "All ranks share 2 cores, so the step time grows with the ranks: it shows the cost of many "
         "processes on one machine, not of a cluster.", "",

@@ -129,7 +129,8 @@ def write_markdown(jobs, selection, path, command, epochs):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--smoke", action="store_true", help="one epoch and small tensors")
-    ap.add_argument("--out", type=output_file, default=None, help="default: docs/options.md (a temporary file in --smoke)")
+    ap.add_argument("--out", type=output_file, default=None,
+                    help="default: docs/options.md (a temporary file in --smoke)")
     args = ap.parse_args(argv)
     args.out = output_path(args.out, args.smoke, "options.md")
     epochs = 1 if args.smoke else 25

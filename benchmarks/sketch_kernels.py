@@ -102,7 +102,8 @@ def main(argv=None):
     parser.add_argument("--columns", type=COUNT, default=None, help="default: the slow-link job's")
     parser.add_argument("--rounds", type=COUNT, default=None, help="default 7; 2 with --smoke")
     parser.add_argument("--smoke", action="store_true", help="100,000 entries, 2 rounds")
-    parser.add_argument("--out", type=output_file, default=None, help="default: docs/performance.md (a temporary file in --smoke)")
+    parser.add_argument("--out", type=output_file, default=None,
+                        help="default: docs/performance.md (a temporary file in --smoke)")
     args = parser.parse_args(argv)
     args.out = output_path(args.out, args.smoke, "performance.md")
     numel, rows, columns = (100_000, 5, 2_000) if args.smoke else slow_link_sketch()

@@ -10,7 +10,8 @@ The job is ``benchmarks/_soak_worker.py`` (Gloo, one thread per worker): the dig
 ``examples/pytorch_scalecom.py`` with ScaleCom at the example's defaults, each rank walking through
 its shard. Every ``--every`` steps each rank records its RSS (``VmRSS``), ``||m||_2`` over its residue
 memories (:func:`hvd_scalecom.monitor.residue_norm`), its mean loss since the last record, the count
-of objects Python's garbage collector tracks (``gc.get_objects()``) and ``stats()``. Options after the soak's own go to the example's parser.
+of objects Python's garbage collector tracks (``gc.get_objects()``) and ``stats()``. Options after the soak's
+own go to the example's parser.
 
 The soak sets the example's ``--lr`` to 0.0125 (0.05 over 4 workers, :data:`EXAMPLE_ARGS`; a later
 ``--lr`` wins): with the example's 0.05 per worker (0.2 at 4 workers) this job diverges within 200
@@ -243,7 +244,8 @@ def markdown(result, png_name):
             f"| {rank} | {r['rss_start_mb']:.1f} | {r['rss_warm_mb']:.1f} | {r['rss_end_mb']:.1f} | "
             f"{r['rss_growth_mb']:+.2f} | {r['rss_growth_pct']:+.2f} | "
             f"{r['rss_slope_mb_per_1000_steps']:+.3f} | {r['rss_largest_rise_mb']:+.2f} "
-            f"({r['rss_largest_rise_steps'][0]:,} to {r['rss_largest_rise_steps'][1]:,}) | {r['residue_norm_max']:.4g} | "
+            f"({r['rss_largest_rise_steps'][0]:,} to {r['rss_largest_rise_steps'][1]:,}) | "
+            f"{r['residue_norm_max']:.4g} | "
             f"{r['residue_norm_final']:.4g} | {r['residue_norm_quarter_ratio']:.3f} | "
             f"{r['python_objects_warm']:,} / {r['python_objects_end']:,} | "
             f"{r['loss_first']:.4g} / {r['loss_last']:.4g} |")
@@ -363,7 +365,8 @@ def main(argv=None):
           f"{'made progress' if trained else 'did NOT make progress'}; "
           f"wrote {out_dir}/{prefix}.{{json,png,md}} "
           f"({wall:.0f} s)", flush=True)
-    return 0 if smoke or (flat and bounded and trained) else 1  # a failed verdict fails the run (20 smoke steps judge nothing)
+    # a failed verdict fails the run (20 smoke steps judge nothing)
+    return 0 if smoke or (flat and bounded and trained) else 1
 
 
 if __name__ == "__main__":

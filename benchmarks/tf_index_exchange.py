@@ -45,7 +45,8 @@ def main(argv=None):
     ap.add_argument("--workers", type=COUNT, nargs="+", default=None, help="default 2 3; 2 with --smoke")
     ap.add_argument("--epochs", type=COUNT, default=None, help="default 3; 1 with --smoke")
     ap.add_argument("--repeats", type=COUNT, default=None, help="default 3; 1 with --smoke")
-    ap.add_argument("--out", type=output_file, default=None, help="default: docs/tf_index_exchange.md (a temporary file in --smoke)")
+    ap.add_argument("--out", type=output_file, default=None,
+                    help="default: docs/tf_index_exchange.md (a temporary file in --smoke)")
     args = ap.parse_args(argv)
     args.out = output_path(args.out, args.smoke, "tf_index_exchange.md")
     # (--smoke sets what is not given: an option given with it is not ignored)

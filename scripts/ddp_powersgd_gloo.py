@@ -117,8 +117,9 @@ def launch(name, steps, timeout):
         sizes = re.search(r"op.preamble.length <= op.nbytes. (\d+ vs \d+)", output)
         return f"error: Gloo: Received data size doesn't match expected size ({sizes.group(1) if sizes else '?'})"
     if "Timeout (0:" in output:  # faulthandler's dump: no step ended in time
-        waits = sorted(set(re.findall(r'line \d+ in (\w+)', output)) & {"wait", "unpack_uncompressed_tensors_and_allreduce_ps",
-                                                                    "compute_qs", "backward", "decompress"})
+        waits = sorted(set(re.findall(r'line \d+ in (\w+)', output))
+                       & {"wait", "unpack_uncompressed_tensors_and_allreduce_ps",
+                          "compute_qs", "backward", "decompress"})
         return f"hang (stopped after --timeout; stacks in: {', '.join(waits)})"
     errors = [line.strip() for line in output.splitlines() if line.startswith("[rank") and "Error" in line]
     return "error: " + (errors[0][:200] if errors else f"exit {proc.returncode}")

@@ -36,12 +36,15 @@ MULTIPROCESS_TESTS = {
         "test_slow_link_smoke", "test_a_slow_link_job_past_its_timeout_is_reported_and_leaves_nothing_running",
         "test_a_smoke_run_that_writes_nothing_leaves_no_directory", "test_gpu_kernels_smoke_on_the_cpu"},
     "test_benchmarks_smoke.py": {"test_scalecom_options_smoke", "test_frontends_smoke", "test_tf_index_exchange_smoke"},
-    "test_benchmarks_soak_smoke.py": {"test_soak_smoke", "test_soak_smoke_tensorflow", "test_soak_rejects_bad_arguments",
+    "test_benchmarks_soak_smoke.py": {"test_soak_smoke", "test_soak_smoke_tensorflow",
+                                      "test_soak_rejects_bad_arguments",
                                       "test_run_all_list"},
     "test_examples.py": {
-        "test_resume_from_checkpoint_matches_an_uninterrupted_run", "test_resume_with_other_optimizer_arguments_is_refused",
+        "test_resume_from_checkpoint_matches_an_uninterrupted_run",
+        "test_resume_with_other_optimizer_arguments_is_refused",
         "test_progress_bar_on_rank_0", "test_shards_of_different_sizes_take_the_same_steps",
-        "test_bad_example_arguments_are_named", "test_the_demo_explains_its_arguments_and_refuses_compression_and_outputs"},
+        "test_bad_example_arguments_are_named",
+        "test_the_demo_explains_its_arguments_and_refuses_compression_and_outputs"},
     "test_native.py": {
         "test_the_kernels_outputs_are_fp32_whatever_the_default_dtype", "test_disabled_by_the_environment_variable",
         "test_processes_building_at_once_into_an_empty_cache_all_load_one_library",

@@ -407,7 +407,8 @@ def qsparse_rows(good):
         (wrapper(params=params), ValueError, "5 entries"),
         (wrapper(params=nonfinite), ValueError, "non-finite"),
         (wrapper(params={**mine["params"], last: {**mine["params"][last], "memory": torch.full(
-            (dict(named())[last].numel(),), 1e39, dtype=torch.float64)}}), ValueError, "beyond the range of torch.float32"),
+            (dict(named())[last].numel(),), 1e39, dtype=torch.float64)}}), ValueError,
+         "beyond the range of torch.float32"),
         (wrapper(params={**mine["params"], "0.weight": {**mine["params"]["0.weight"], "shape": [40, 30]}}),
          ValueError, "shape (40, 30)"),
         (wrapper(step=-1), ValueError, "step"),

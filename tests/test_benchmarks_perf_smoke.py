@@ -109,7 +109,8 @@ def test_slow_link_report_from_synthetic_rows():
                               framework="torch")
     text = slow_link.markdown(rows, {"1gbit": 0.99}, args, "python -m benchmarks.slow_link", None, [1.0, 2.0])
     lines = text.splitlines()
-    assert "| 1gbit | 2 | scalecom | 40.0 | 0.200 | 5.00x | 10.0 | 4.00x | 0.150 | 0.0375 | 0.080 | 1.0 | 2.0 |" in lines
+    assert ("| 1gbit | 2 | scalecom | 40.0 | 0.200 | 5.00x | 10.0 | 4.00x | 0.150 | 0.0375 | 0.080 | 1.0 | 2.0 |"
+            in lines)
     assert "| 1gbit | 2 | dense | 200.0 | 1.000 | 1.00x | 10.0 | 20.00x | 4.000 | 1.0000 | 4.000 |  |  |" in lines
     assert "| 1gbit | scalecom | 0.150 | 0.225 | 1.50x | 1.50x |" in lines  # 3e6 / 10 / 2 -> 9e6 / 10 / 4
     assert "bucket 128kb at 1gbit" in text and "up to 4 workers" in text
@@ -153,7 +154,8 @@ def test_gpu_kernels_smoke_on_the_cpu(tmp_path):
     assert "kept" in text and "<!-- gpu_kernels:begin -->" in text and "## GPU" in text
     lines = text.splitlines()
     header = [c.strip() for c in next(line for line in lines if line.startswith("| entries |")).split("|")]
-    cell = dict(zip(header, [c.strip() for c in next(line for line in lines if line.startswith("| 65,536 |")).split("|")]))
+    cell = dict(zip(header, [c.strip()
+                             for c in next(line for line in lines if line.startswith("| 65,536 |")).split("|")]))
     assert cell["overlap (sampled threshold)"] == "1.0000 (1.0000)" and cell["same indices as the CPU"] == "yes"
     assert cell["leader"].endswith("x)") and cell["selection, sampled threshold"].endswith("x)")
     below = lines[lines.index("| scheme | weights, device against CPU | same bytes | bytes per worker |") + 2:]

@@ -70,7 +70,8 @@ def test_dtypes_are_taken_by_name_or_as_framework_dtypes_alike():
     for scheme in (SimScaleCom, LocalTopK, GlobalTopK):
         config = scheme(value_dtype=torch.float16, index_dtype=torch.int64).config
         assert (config.value_dtype, config.index_dtype) == ("float16", "int64")
-    for kwargs, argument in (({"value_dtype": torch.int8}, "value_dtype"), ({"index_dtype": torch.float32}, "index_dtype"),
+    for kwargs, argument in (({"value_dtype": torch.int8}, "value_dtype"),
+                             ({"index_dtype": torch.float32}, "index_dtype"),
                              ({"index_dtype": None}, "index_dtype")):
         with pytest.raises(ValueError, match=f"{argument} must be one of"):
             ScaleComConfig(**kwargs)

@@ -38,7 +38,8 @@ def _train(job, name):
 _train_run("straight", "--epochs", "3")
 _train_run("first", "--epochs", "2", "--checkpoint", "{ckpt}")
 _train_run("resumed", "--epochs", "3", "--checkpoint", "{ckpt}", "--resume", job="ex_torch_np2_b")
-_train_run("other", "--epochs", "4", "--checkpoint", "{ckpt}", "--resume", "--compression", "dense", job="ex_torch_np2_b",
+_train_run("other", "--epochs", "4", "--checkpoint", "{ckpt}", "--resume", "--compression", "dense",
+           job="ex_torch_np2_b",
            fails=True)
 
 

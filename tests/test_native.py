@@ -551,7 +551,8 @@ def test_a_missing_compiler_warns_and_falls_back_to_torch_operations(tmp_path):
                    env=env, check=True)
     # a $CC that is not found is not replaced by another compiler (gcc was used, unnoticed)
     env = {**os.environ, "HVD_SCALECOM_CACHE": str(tmp_path / "cc"), "CC": "no-such-compiler"}
-    subprocess.run([sys.executable, "-c", code + "\nassert 'CC=no-such-compiler is not found' in str(caught[0].message)"],
+    subprocess.run([sys.executable, "-c",
+                    code + "\nassert 'CC=no-such-compiler is not found' in str(caught[0].message)"],
                    env=env, check=True)
     assert not list((tmp_path / "cc").glob("native/*.so"))
 

@@ -366,7 +366,8 @@ def test_an_embedding_gradient_densified_outside_tf_function_is_matched_to_its_v
     assert one_rank(code, "EAGER ", "FUNCTION ") == ["EAGER True", "FUNCTION True"]
 
 
-tf_run("tf_np2", "tf_embedding", {}, ["test_an_embedding_first_among_variables_trains_as_the_reference_eagerly_and_traced"],
+tf_run("tf_np2", "tf_embedding", {},
+       ["test_an_embedding_first_among_variables_trains_as_the_reference_eagerly_and_traced"],
        worker="tf_embedding.py")
 
 
@@ -527,7 +528,8 @@ def test_make_train_step_scales_the_loss_as_keras_train_step_does():
             "unscaled = float(loss(y, model()(x)))\n"
             "for label, make in [('plain', lambda: keras.optimizers.SGD(0.1)),\n"
             "                    ('factor', lambda: keras.optimizers.SGD(0.1, loss_scale_factor=128.0)),\n"
-            "                    ('dynamic', lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)))]:\n"
+            "                    ('dynamic', "
+            "lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)))]:\n"
             "    (expected, _), (got, loss_value) = update(keras_step, make()), update(helper_step, make())\n"
             "    same = all(np.allclose(g, e, rtol=1e-6, atol=1e-9) for g, e in zip(got, expected))\n"
             "    print(label, same, np.abs(expected[0]).sum() > 0.01, loss_value == unscaled)\n")
@@ -584,11 +586,13 @@ def test_an_eager_step_refused_part_way_is_refused_until_a_restore():
     variable #2 comes after #0 and #1 were reduced, so every later step is refused, saying why, until
     a state is restored by ``load_state_dict`` or a ``tf.train.Checkpoint`` (before, each later
     gradient went to the variable after the last taken, and was refused or, of a fitting shape,
-    misplaced); the restored ScaleCom then steps as one that never saw the refused step. A gradient refused at variable #0 leaves the next step to begin there."""
+    misplaced); the restored ScaleCom then steps as one that never saw the refused step. A gradient refused at
+    variable #0 leaves the next step to begin there."""
     code = ("import numpy as np, tensorflow as tf, horovod.tensorflow as hvd\n"
             "from hvd_scalecom.tensorflow import ScaleCom\n"
             "hvd.init()\n"
-            "variables = [tf.Variable(tf.zeros([2000])), tf.Variable(tf.zeros([2000])), tf.Variable(tf.zeros([30, 10]))]\n"
+            "variables = [tf.Variable(tf.zeros([2000])), tf.Variable(tf.zeros([2000])), "
+            "tf.Variable(tf.zeros([30, 10]))]\n"
             "good = [tf.fill([2000], 1.0), tf.range(2000, dtype=tf.float32), tf.fill([30, 10], 3.0)]\n"
             "compression, twin = (ScaleCom(variables, ratio=0.05, beta=0.5, min_numel=100) for _ in range(2))\n"
             "def reduce_all(sc, grads):\n"
@@ -1042,7 +1046,8 @@ def test_keras_distributed_optimizer_keeps_weight_decay_exclusions(tf_modules):
     optimizer's too under a LossScaleOptimizer), where it used to decay the excluded variables."""
     keras = pytest.importorskip("keras")
     from hvd_scalecom.tensorflow import DistributedOptimizer
-    kernel, bias = keras.Variable(np.ones((3, 2), np.float32), name="kernel"), keras.Variable(np.ones(2, np.float32), name="bias")
+    kernel, bias = (keras.Variable(np.ones((3, 2), np.float32), name="kernel"),
+                    keras.Variable(np.ones(2, np.float32), name="bias"))
     by_name = keras.optimizers.AdamW(0.01, weight_decay=0.5)
     by_name.exclude_from_weight_decay(var_names=["bias"])
     by_variable = keras.optimizers.AdamW(0.01, weight_decay=0.5)
@@ -1109,7 +1114,8 @@ for size in [2, 3]:
 @pytest.mark.parametrize("size", [2, 3])
 def test_ranks_that_disagree_all_get_one_clear_error(horovod_jobs, size):
     """Differing ratio, beta, index exchange, variable shapes or ScaleCom objects built before (a
-    tf.function step and an eager one): every rank raises the same ValueError at the first step; agreeing ranks train on."""
+    tf.function step and an eager one): every rank raises the same ValueError at the first step; agreeing ranks
+    train on."""
     cases = AGREEMENT_CASES[size]
     results = horovod_jobs(f"tf_np{size}").completed(f"tf_agreement_np{size}")
     assert len(results) == size
@@ -1169,7 +1175,8 @@ def test_step_counters_that_part_mid_job_stop_every_rank_alike(horovod_jobs):
         assert all(f"{case['label']}/applied/1/hidden.weight" not in r for r in results)
 
 
-EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "tensorflow_scalecom.py")
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                       "tensorflow_scalecom.py")
 
 
 def example_run(name, *extra, job="ex_tf_np2", fails=False):

@@ -210,7 +210,8 @@ def test_pipelined_indices_restored_on_some_ranks_only_end_with_the_timeout_s_er
     assert "the ranks restored states of which only some held this parameter's next_indices" in rank1, rank1[-2000:]
 
 
-failing_run("warm_up_end_skewed", {"steps": 5, "warmup_steps": 3, "timeout": 8, "per_rank": {"0": {"skew_steps_at": 2}}},
+failing_run("warm_up_end_skewed",
+            {"steps": 5, "warmup_steps": 3, "timeout": 8, "per_rank": {"0": {"skew_steps_at": 2}}},
             ["test_step_counters_on_either_side_of_warm_up_s_end_end_with_the_timeout_s_error"])
 
 

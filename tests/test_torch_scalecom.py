@@ -373,7 +373,8 @@ def test_process_set(horovod_jobs, exchange):
 
 MISSING_GRADIENT = {"ratio": 0.05, "beta": 0.5, "min_numel": 600, "steps": 6, "no_out_weight_grad_on_rank": 1,
                     "advance_min_numel": 0}
-scalecom_run("torch_np3", "missing_gradient", MISSING_GRADIENT, ["test_rank_without_gradient_takes_horovods_missing_path"])
+scalecom_run("torch_np3", "missing_gradient", MISSING_GRADIENT,
+             ["test_rank_without_gradient_takes_horovods_missing_path"])
 
 
 def test_rank_without_gradient_takes_horovods_missing_path(horovod_jobs):

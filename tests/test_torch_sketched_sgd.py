@@ -282,7 +282,8 @@ def test_a_nan_in_one_ranks_gradient_skips_round_two_on_every_rank_and_is_not_ke
     (rank 0) and in sketched step 2 (rank 1), hidden.bias's (dense) in step 3 (rank 0). Every rank
     hands the optimizer NaN where the reference does (a dense tensor's NaN entry; all of the sketched
     tensors when their reduced sketch is not finite; the job skips those steps, as a loss scaler
-    would), counts the sketched one and no candidates for it, and keeps no NaN: the next steps are finite, with k coordinates
+    would), counts the sketched one and no candidates for it, and keeps no NaN: the next steps are finite, with k
+    coordinates
     applied, as in the reference and the simulator."""
     results = completed(horovod_jobs("np2_first"), "sketched_nan", 2)
     for t, rank, name in NAN["nan_at"]:

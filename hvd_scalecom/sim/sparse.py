@@ -281,7 +281,8 @@ class GTopK(_ErrorFeedback):
     the entries of worker i that survived every merge (the memory update is clt_k's with those indices
     and ``beta = 1``). The paper puts back only the local top-k entries whose index is outside the
     global set; here a value a merge dropped is kept even where its index reached the global set
-    through other workers, so no value is lost. Needs a power-of-two number of workers. A non-finite value sent (a worker's
+    through other workers, so no value is lost. Needs a power-of-two number of workers. A non-finite value
+    sent (a worker's
     non-finite gradient, an overflow) makes the merged sums NaN and skips every memory update, as in
     :class:`_ErrorFeedback` (a merge could otherwise drop a NaN: the flag travels with the sums).
     """

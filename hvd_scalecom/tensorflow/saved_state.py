@@ -27,7 +27,8 @@ class StateAndStatistics:
         Returns a dict with ``step``, ``index_bytes``, ``value_bytes``, ``dense_bytes``, ``sent_bytes``,
         ``uncompressed_bytes``, ``ratio`` (uncompressed / sent), ``compress_seconds``,
         ``index_wait_seconds``, ``tensors`` and ``nonfinite_skips`` (tensor-steps whose memory update
-        a non-finite reduction skipped, since this object was built), and ``total``: the same since this object was built
+        a non-finite reduction skipped, since this object was built), and ``total``: the same since this
+        object was built
         (or last loaded by ``load_state_dict``; a ``tf.train.Checkpoint`` restore brings back the saved
         run's tallies with its steps). Bytes follow from the configuration and the step counters; during warm-up
         ``dense_bytes`` also counts the k zero values Horovod's allreduce carries.

@@ -319,7 +319,8 @@ def take_advancing_(memory, grad, indices, beta, marks=None):
     """Steps 3-4 on a rank whose gradient buffer is free to reuse (see :func:`may_advance`): returns
     a :class:`Taken` as :func:`take_checking` does, without ``m[I]`` (not needed: the memory on I is
     written here) and writes over ``grad`` the memory that step 4 gives if the reduction is finite
-    (``m + beta g`` off I, ``(1 - beta) m[I]`` on I), leaving ``memory`` as it was. One pass in C that reads m and g and writes g in place, where
+    (``m + beta g`` off I, ``(1 - beta) m[I]`` on I), leaving ``memory`` as it was. One pass in C that reads m
+    and g and writes g in place, where
     ``take_checking`` + :func:`filter_and_scatter_` read g three times and write both. Returns None,
     having written nothing, where an index repeats. Finish with :func:`filter_and_scatter_advanced`,
     given the same ``marks`` (a :class:`Marks` of the tensor's size, to keep I's bitmap in between;

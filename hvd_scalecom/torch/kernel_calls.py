@@ -44,7 +44,8 @@ def _check_pairs(indices, reduced, numel=None):
     where ``numel`` is given) is outside ``[0, numel)``: raised before anything is written."""
     if indices.numel() != reduced.numel():
         raise ValueError(f"{reduced.numel()} reduced values for {indices.numel()} indices")
-    if numel is not None and indices.is_cpu and indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= numel):
+    if (numel is not None and indices.is_cpu and indices.numel()
+            and (int(indices.min()) < 0 or int(indices.max()) >= numel)):
         raise IndexError(_out_of_range(indices, numel))
 
 

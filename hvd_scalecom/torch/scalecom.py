@@ -220,7 +220,8 @@ class ScaleCom(Compressor):
             # rank sees a non-finite reduction and skips this tensor's memory update (see decompress).
             values = torch.full_like(values, float("nan"))
         self.traffic.record(
-            t, index_bytes=exchanges * step.k * self._exchange.index_dtype(numel).itemsize, value_bytes=step.k * values.element_size(),
+            t, index_bytes=exchanges * step.k * self._exchange.index_dtype(numel).itemsize,
+            value_bytes=step.k * values.element_size(),
             uncompressed_bytes=numel * wire_dtype(tensor.dtype).itemsize, index_wait_seconds=waited,
             compress_seconds=time.perf_counter() - step.started - waited)
         # The version counter tells a change in place before decompress where the gradient owns its

@@ -518,7 +518,8 @@ class SketchedSGD(Compressor):
         candidates = heavy_candidates(self._sketch, r.table, self.num_candidates)
         kept = self._v[candidates]
         wait_from = time.perf_counter()
-        exact = hvd.allreduce(kept, name=f"{self.name}.candidates", op=hvd.Sum, **self._ps_kwargs())  # sum_i v_i[candidates]
+        # sum_i v_i[candidates]
+        exact = hvd.allreduce(kept, name=f"{self.name}.candidates", op=hvd.Sum, **self._ps_kwargs())
         waited += time.perf_counter() - wait_from
         self.traffic.add(r.t, value_bytes=exact.numel() * exact.element_size())
         indices, sums = select_applied(candidates, exact, self.k)

@@ -84,7 +84,8 @@ def _native_plan(numel, k):
 
 def _native_select(a, b, k, index_dtype=torch.int64):
     """``(I, a[I] + b[I], finite, (kth, ties))`` by the C kernel (``I`` the exact top-k of ``|a + b|``,
-    ascending, in ``index_dtype``, int64 or int32; ``|a|`` when b is None; ``finite``: every entry of b, else a, is; ``(kth, ties)``:
+    ascending, in ``index_dtype``, int64 or int32; ``|a|`` when b is None; ``finite``: every entry of b, else a,
+    is; ``(kth, ties)``:
     I as a :class:`Cut`), or None where the sampled threshold lets fewer than k entries
     through (the caller then runs a full top-k)."""
     numel = a.numel()

@@ -83,7 +83,8 @@ def dense_hook(group, bucket):
 
 def train(sc):
     """A DDP model trained ``steps`` synchronised steps with ScaleCom (``state`` options), with DDP's
-    ``ddp`` options, by SGD (``lr``, ``momentum``); ``accumulate``: micro-batches per step under no_sync() before the synchronised
+    ``ddp`` options, by SGD (``lr``, ``momentum``); ``accumulate``: micro-batches per step under no_sync() before the
+    synchronised
     one; ``dtype``: the model's; ``unused``: a layer the forward pass never uses."""
     name = sc["name"]
     dtype = getattr(torch, sc.get("dtype", "float32"))

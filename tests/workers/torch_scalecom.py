@@ -6,7 +6,8 @@ argv: JSON options, output directory. Writes ``rank<R>.npz`` with, per step t an
 with ``rollback``, ``first_attempt/<t>/<name>`` (what a step applied before it ran again); with
 ``commit_every_step``, ``next_indices/<t>/<name>`` ((step, *sorted indices) that state_dict() held).
 ``late_rank``: ``{"rank", "seconds"}`` that rank sleeps before its first step, and ``stats/first``
-is ``stats()`` of the first step (at most 5 steps: those stats() keeps). ``skew_steps_at`` (given to one rank through ``per_rank``): at the top of that step, that rank's step
+is ``stats()`` of the first step (at most 5 steps: those stats() keeps). ``skew_steps_at`` (given to one rank
+through ``per_rank``): at the top of that step, that rank's step
 counters move one ahead, through its own state_dict() and load_state_dict(); ``skew_next_indices_at``
 likewise moves only the step of its pipelined next_indices, and ``drop_next_indices_at`` removes them.
 ``frozen_layer`` adds a layer frozen from the start (in ScaleCom's named_parameters, never reduced).
@@ -85,7 +86,8 @@ class Net(torch.nn.Module):
                 x = x + self.embed2(tokens).mean(dim=1)
         if opts.get("conv"):
             x = x + self.conv(x.view(-1, 3, 4, 4).contiguous(
-                memory_format=torch.channels_last if opts.get("channels_last") else torch.contiguous_format)).view(-1, 48)
+                memory_format=torch.channels_last if opts.get("channels_last") else torch.contiguous_format)
+            ).view(-1, 48)
         if opts.get("tied_embedding"):  # the tied weight's second use: logits over the tokens
             x = x + torch.log_softmax(self.unembed(x), dim=1)[:, :48]
         h = torch.tanh(self.hidden(x))
@@ -120,7 +122,8 @@ if opts.get("grad_scaler"):
                                        growth_interval=opts["grad_scaler"]["growth_interval"])
     scaler = grad_scaler
 compression = ScaleCom(
-    named[:-1] if opts.get("drop_last_param") else model.named_parameters(), ratio=opts.get("ratio", 0.05), beta=opts.get("beta", 0.5),
+    named[:-1] if opts.get("drop_last_param") else model.named_parameters(), ratio=opts.get("ratio", 0.05),
+    beta=opts.get("beta", 0.5),
     warmup_steps=opts.get("warmup_steps", 0), min_numel=opts.get("min_numel", 600),
     leader=opts.get("leader", "cyclic"), selection=opts.get("selection", "exact"),
     value_dtype=opts.get("value_dtype"), index_dtype=opts.get("index_dtype", "int32"),

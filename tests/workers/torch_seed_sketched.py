@@ -7,7 +7,8 @@ argv: JSON options, output directory. Writes ``rank<R>.npz`` with, per step t an
 (``{rank: step}``) those ranks start from a state of that step and ``refused`` holds the error of the
 first step; with ``skew_steps_at`` (``{rank: step}``) at the top of that step those ranks' step
 counters move one ahead, through their own ``state_dict()`` and ``load_state_dict()``, and ``refused``
-holds the error of the step; with ``loss_scales`` (one per step) the loss is scaled, ``loss_scaler=`` follows it, and the
+holds the error of the step; with ``loss_scales`` (one per step) the loss is scaled, ``loss_scaler=``
+follows it, and the
 reduced gradients are divided by it before the step (``applied``: unscaled); with ``frozen`` (a name)
 that parameter is frozen before SketchedSGD and the optimizer are built (no ``applied`` entries).
 ``per_rank`` (``{rank: options}``) applies to every option (``dtype`` too; ``no_loss_scaler``: the loss
