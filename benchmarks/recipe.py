@@ -75,9 +75,9 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--workers", type=COUNT, nargs="+", default=[4], help="worker counts (default: 4)")
     ap.add_argument("--seeds", type=NON_NEGATIVE, nargs="+", default=[0, 1, 2], help="seeds (default: 0 1 2)")
-    ap.add_argument("--set", type=setting(False), nargs="+", default=[], metavar="KEY=VALUE",
+    ap.add_argument("--set", type=setting(False), nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                     help="fix a setting: " + ", ".join(VALUE))
-    ap.add_argument("--grid", type=setting(True), nargs="+", default=[], metavar="KEY=V1,V2",
+    ap.add_argument("--grid", type=setting(True), nargs="+", action="extend", default=[], metavar="KEY=V1,V2",
                     help="sweep a setting over the values given")
     ap.add_argument("--smoke", action="store_true", help="2 workers, 1 epoch, seed 0")
     args = ap.parse_args(argv)

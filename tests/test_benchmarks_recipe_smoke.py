@@ -96,3 +96,22 @@ def test_replay_knobs_show_in_its_trace():
     assert warm[2]["loss"] != slow[2]["loss"]  # (the second step at 2 lr / W)
     with pytest.raises(ValueError, match="lr_scaling must be 'linear' or 'sqrt', got 'log'"):
         replay("dense", 4, 1, 0.01, 0.5, lr_scaling="log")
+
+
+def test_the_recipe_section_survives_a_rewrite_and_its_commands_parse(tmp_path):
+    """docs/convergence.md's hand-written recipe section is what benchmarks.convergence_text appends
+    when it rewrites the page, and every ``python -m benchmarks.recipe`` command in it is accepted."""
+    import shlex
+
+    from benchmarks.convergence_text import HAND_WRITTEN, PAGE, hand_written
+    from benchmarks.recipe import parse_args
+    kept = hand_written()
+    with open(PAGE) as f:
+        assert f.read().endswith("\n".join(kept[1:]) + "\n")
+    assert kept[1].startswith(HAND_WRITTEN) and "## Choosing a recipe: 4, 16 and 64 workers" in kept
+    commands = [line for line in kept if line.startswith("python -m benchmarks.recipe ")]
+    assert len(commands) == 6
+    for line in commands:
+        parse_args(shlex.split(line)[3:])
+    (tmp_path / "page.md").write_text("# A page\n\nno hand-written part\n")
+    assert hand_written(str(tmp_path / "page.md")) == []
