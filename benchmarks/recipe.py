@@ -115,15 +115,15 @@ def run_one(workers, seed, config):
 
 def summary(rows, fixed, seeds):
     """A markdown table: one line per worker count and configuration, accuracy per seed and mean."""
-    varied = [k for k in rows[0]["varied"]]
+    varied = list(rows[0]["varied"])
     settings = ", ".join(f"{k}={v}" for k, v in {**DEFAULTS, **fixed}.items() if k not in varied)
-    lines = [f"Test accuracy (%), {settings}:", "",
-             "| workers | " + " | ".join(varied) + " | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |",
-             "|---" * (2 + len(varied) + len(seeds)) + "|"]
+    header = ["workers", *varied, *(f"seed {s}" for s in seeds), "mean"]
+    lines = [f"Test accuracy (%), {settings}:", "", "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for (workers, config), group in itertools.groupby(rows, key=lambda r: (r["workers"], r["config"])):
         accuracies = [100 * r["accuracy"] for r in group]
-        lines.append(f"| {workers} | " + " | ".join(str(dict(config)[k]) for k in varied) + " | " +
-                     " | ".join(f"{a:.1f}" for a in accuracies) + f" | {sum(accuracies) / len(accuracies):.1f} |")
+        cells = [str(workers), *(str(dict(config)[k]) for k in varied), *(f"{a:.1f}" for a in accuracies),
+                 f"{sum(accuracies) / len(accuracies):.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -115,3 +115,15 @@ def test_the_recipe_section_survives_a_rewrite_and_its_commands_parse(tmp_path):
         parse_args(shlex.split(line)[3:])
     (tmp_path / "page.md").write_text("# A page\n\nno hand-written part\n")
     assert hand_written(str(tmp_path / "page.md")) == []
+
+
+def test_summary_with_nothing_swept(capsys):
+    """One configuration (compression set, no grid): the table has a column per seed and the mean."""
+    from benchmarks.recipe import main
+    assert main(["--smoke", "--set", "compression=dense", "beta=0.1"]) == 0
+    out = capsys.readouterr().out
+    run = json.loads(out.splitlines()[0])
+    assert (run["compression"], run["beta"], run["epochs"]) == ("dense", 0.1, 1)
+    a = f"{100 * run['accuracy']:.1f}"
+    assert out.splitlines()[-3:] == ["| workers | seed 0 | mean |", "|---|---|---|", f"| 2 | {a} | {a} |"]
+    assert "beta=0.1" in out.splitlines()[-5] and "compression=dense" in out.splitlines()[-5]
