@@ -1,6 +1,10 @@
 """The prose of docs/convergence.md: set-up, and the reading of the results (figures from the JSON)."""
 
+import os
+
 from benchmarks import convergence_report as rep
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def preamble(results, cmd):
@@ -290,7 +294,23 @@ def analysis(results, crit):
         "* Bytes are counted, not timed: latency, the exchange of the leader's indices on the critical path "
         "and compute are not in these figures.",
     ]
-    return lines
+    return lines + hand_written()
+
+
+HAND_WRITTEN = "<!-- hand-written:"
+PAGE = os.path.join(ROOT, "docs", "convergence.md")
+
+
+def hand_written(page=PAGE):
+    """The hand-written end of ``docs/convergence.md`` (from its ``<!-- hand-written: ...`` line on),
+    which this module does not write, so that regenerating the page keeps it; [] without one."""
+    try:
+        with open(page) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    start = next((i for i, line in enumerate(lines) if line.startswith(HAND_WRITTEN)), None)
+    return [] if start is None else ["", *lines[start:]]
 
 
 def _accuracy(r):
