@@ -23,7 +23,8 @@ import torch
 
 from benchmarks._report import COUNT, command_line, output_file, output_path, replace_section
 from benchmarks._slow_link_worker import make_model
-from benchmarks.slow_link import DEFAULT_JOBS, DEFAULT_WIDTHS
+from benchmarks.models import DEFAULT_WIDTHS
+from benchmarks.slow_link import DEFAULT_JOBS
 from hvd_scalecom import native
 from hvd_scalecom.sketched_qsparse_config import SketchedSGDConfig
 from hvd_scalecom.torch.sketch import CountSketch

@@ -43,7 +43,10 @@ def test_versions_pinned_once():
 def test_makefile_and_ci_use_the_installer():
     makefile = read("Makefile")
     assert re.search(r"^install:\n\tbash scripts/install\.sh", makefile, re.M)
-    assert re.search(r"^test: install$", makefile, re.M) and re.search(r"^demo: install$", makefile, re.M)
+    assert re.search(r"^demo: install$", makefile, re.M)
+    # make test lints first (ruff, installed by the installer), then runs pytest
+    assert re.search(r"^lint: install\n\t\$\(VENV\)/bin/ruff check \.$", makefile, re.M)
+    assert re.search(r"^test: lint\n\t\$\(PY\) -m pytest -q tests$", makefile, re.M)
     ci = [line for line in read(".ci", "run").splitlines() if line and not line.startswith("#")]
     assert ci[-1] == "make test"
 
