@@ -67,7 +67,9 @@ def run_job(ranks, spec, namespace, timeout):
         subprocess.run(["ip", "netns", "exec", namespace, "ip", "link", "set", "lo", "up"], check=True)
         cmd = ["ip", "netns", "exec", namespace, *cmd]
     try:
-        output = run_command(cmd, timeout=timeout, env={"HOROVOD_CYCLE_TIME": "1"})
+        # (Gloo's connections wait 30 s by default: too short for 64 ranks starting on 2 cores)
+        output = run_command(cmd, timeout=timeout, env={"HOROVOD_CYCLE_TIME": "1",
+                                                        "HOROVOD_GLOO_TIMEOUT_SECONDS": str(int(timeout))})
     finally:
         if namespace:
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
