@@ -18,16 +18,18 @@ import time
 import torch
 import torch.distributed as dist
 from digits_common import (
+    digits_split,
     epoch_steps,
+    evaluate,
     fraction,
     learning_rate,
+    make_model,
     momentum_value,
     nonnegative_int,
     positive_int,
     result_path,
     seed_value,
 )
-from sklearn.datasets import load_digits
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -60,25 +62,10 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-# The data, model and evaluation of pytorch_scalecom.py (not imported from there: it imports Horovod).
-
-def digits_split():
-    """Standardised digits: the first 1,437 images train, the last 360 test (no download)."""
-    x, y = load_digits(return_X_y=True)
-    x = (x / 16.0 - 0.5) / 0.5
-    return (torch.tensor(x[:1437], dtype=torch.float32), torch.tensor(y[:1437]),
-            torch.tensor(x[1437:], dtype=torch.float32), torch.tensor(y[1437:]))
 
 
-def make_model():
-    return torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256),
-                               torch.nn.ReLU(), torch.nn.Linear(256, 10))
 
 
-def evaluate(model, x, y):
-    model.eval()
-    with torch.no_grad():
-        return (model(x).argmax(dim=1) == y).float().mean().item()
 
 
 class CollectiveBytes:

@@ -1,5 +1,5 @@
-"""What the two digits examples share: argument checks, the steps per epoch and what a checkpoint
-records of the run that trained it."""
+"""What the digits examples share: argument checks, the steps per epoch, what a checkpoint records of
+the run that trained it, and the PyTorch examples' data, model and evaluation."""
 
 import argparse
 import math
@@ -104,3 +104,32 @@ def check_trained_with(saved, current, directory):
         then = ", ".join(f"{name} {saved[name]}" for name in differ)
         raise SystemExit(f"{now}: the checkpoint in {directory} was trained with {then}; resume with "
                          f"{'that' if len(differ) == 1 else 'those'}")
+
+
+def digits_split():
+    """Standardised digits as torch tensors: the first 1,437 images train, the last 360 test (no
+    download)."""
+    import torch
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0 - 0.5) / 0.5
+    return (torch.tensor(x[:1437], dtype=torch.float32), torch.tensor(y[:1437]),
+            torch.tensor(x[1437:], dtype=torch.float32), torch.tensor(y[1437:]))
+
+
+def make_model():
+    """The PyTorch examples' MLP: 64-512-256-10, 167,178 parameters."""
+    import torch
+
+    return torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256),
+                               torch.nn.ReLU(), torch.nn.Linear(256, 10))
+
+
+def evaluate(model, x, y):
+    """Test accuracy of ``model`` on ``(x, y)``."""
+    import torch
+
+    model.eval()
+    with torch.no_grad():
+        return (model(x).argmax(dim=1) == y).float().mean().item()

@@ -17,9 +17,12 @@ import horovod.torch as hvd
 import torch
 from digits_common import (
     check_trained_with,
+    digits_split,
     epoch_steps,
+    evaluate,
     fraction,
     learning_rate,
+    make_model,
     momentum_value,
     nonnegative_int,
     positive_int,
@@ -27,7 +30,6 @@ from digits_common import (
     seed_value,
     trained_with,
 )
-from sklearn.datasets import load_digits
 
 from hvd_scalecom.torch import ScaleCom, log_stats
 
@@ -67,19 +69,8 @@ def parse_args(argv=None):
     return args
 
 
-def digits_split():
-    """Standardised digits: the first 1,437 images train, the last 360 test (no download)."""
-    x, y = load_digits(return_X_y=True)
-    x = (x / 16.0 - 0.5) / 0.5
-    return (torch.tensor(x[:1437], dtype=torch.float32), torch.tensor(y[:1437]),
-            torch.tensor(x[1437:], dtype=torch.float32), torch.tensor(y[1437:]))
 
 
-def make_model():
-    return torch.nn.Sequential(
-        torch.nn.Linear(64, 512), torch.nn.ReLU(),
-        torch.nn.Linear(512, 256), torch.nn.ReLU(),
-        torch.nn.Linear(256, 10))
 
 
 def main(argv=None):
@@ -206,10 +197,6 @@ def load_checkpoint(directory, rank, model, optimizer, compression, record, gen)
     return state["epoch"], state["global_step"]
 
 
-def evaluate(model, x, y):
-    model.eval()
-    with torch.no_grad():
-        return (model(x).argmax(dim=1) == y).float().mean().item()
 
 
 if __name__ == "__main__":
