@@ -18,14 +18,13 @@ import time
 import torch
 import torch.distributed as dist
 from digits_common import (
+    add_scalecom_arguments,
     digits_split,
     epoch_steps,
     evaluate,
-    fraction,
     learning_rate,
     make_model,
     momentum_value,
-    nonnegative_int,
     positive_int,
     result_path,
     seed_value,
@@ -40,14 +39,7 @@ from hvd_scalecom.torch import log_stats
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--compression", choices=["scalecom", "dense", "fp16", "powersgd"], default="scalecom")
-    ap.add_argument("--ratio", type=fraction, default=0.01)
-    ap.add_argument("--beta", type=fraction, default=0.5)
-    ap.add_argument("--warmup-steps", type=nonnegative_int, default=0)
-    ap.add_argument("--min-numel", type=nonnegative_int, default=1024)
-    ap.add_argument("--leader", choices=["cyclic", "staggered"], default="cyclic")
-    ap.add_argument("--selection", choices=["exact", "threshold"], default="threshold")
-    ap.add_argument("--value-dtype", choices=["float32", "float16", "bfloat16"], default=None)
-    ap.add_argument("--index-dtype", choices=["int32", "int64"], default="int32")
+    add_scalecom_arguments(ap, ["float32", "float16", "bfloat16"])
     ap.add_argument("--powersgd-rank", type=positive_int, default=1, help="PowerSGD's matrix_approximation_rank")
     ap.add_argument("--powersgd-start", type=positive_int, default=2,
                     help="PowerSGD's start_powerSGD_iter (at least 2 with its error feedback)")

@@ -133,3 +133,15 @@ def evaluate(model, x, y):
     model.eval()
     with torch.no_grad():
         return (model(x).argmax(dim=1) == y).float().mean().item()
+
+
+def add_scalecom_arguments(ap, value_dtypes):
+    """The ScaleCom options of the PyTorch examples (``value_dtypes``: the choices of --value-dtype)."""
+    ap.add_argument("--ratio", type=fraction, default=0.01)
+    ap.add_argument("--beta", type=fraction, default=0.5)
+    ap.add_argument("--warmup-steps", type=nonnegative_int, default=0)
+    ap.add_argument("--min-numel", type=nonnegative_int, default=1024)
+    ap.add_argument("--leader", choices=["cyclic", "staggered"], default="cyclic")
+    ap.add_argument("--selection", choices=["exact", "threshold"], default="threshold")
+    ap.add_argument("--value-dtype", choices=value_dtypes, default=None)
+    ap.add_argument("--index-dtype", choices=["int32", "int64"], default="int32")

@@ -16,15 +16,14 @@ import time
 import horovod.torch as hvd
 import torch
 from digits_common import (
+    add_scalecom_arguments,
     check_trained_with,
     digits_split,
     epoch_steps,
     evaluate,
-    fraction,
     learning_rate,
     make_model,
     momentum_value,
-    nonnegative_int,
     positive_int,
     result_path,
     seed_value,
@@ -37,14 +36,7 @@ from hvd_scalecom.torch import ScaleCom, log_stats
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--compression", choices=["scalecom", "dense", "fp16"], default="scalecom")
-    ap.add_argument("--ratio", type=fraction, default=0.01)
-    ap.add_argument("--beta", type=fraction, default=0.5)
-    ap.add_argument("--warmup-steps", type=nonnegative_int, default=0)
-    ap.add_argument("--min-numel", type=nonnegative_int, default=1024)
-    ap.add_argument("--leader", choices=["cyclic", "staggered"], default="cyclic")
-    ap.add_argument("--selection", choices=["exact", "threshold"], default="threshold")
-    ap.add_argument("--value-dtype", choices=["float32", "float16"], default=None)
-    ap.add_argument("--index-dtype", choices=["int32", "int64"], default="int32")
+    add_scalecom_arguments(ap, ["float32", "float16"])
     ap.add_argument("--pipelined", action="store_true", help="indices selected one step ahead")
     ap.add_argument("--epochs", type=positive_int, default=25)
     # batch 16 and lr 0.0125 per worker (0.05 at 4 workers): at ratio 0.01 the residue memory sends
