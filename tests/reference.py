@@ -15,7 +15,8 @@ import numpy as np
 
 
 def scalecom_reference(raw_grads, names, size, ratio, beta, warmup_steps, min_numel,
-                       leader="cyclic", value_dtype=np.float32, pipelined=False, skip_memory=(), chosen_sets=None):
+                       leader="cyclic", value_dtype=np.float32, pipelined=False, skip_memory=(), chosen_sets=None,
+                       check_every=None, fallback=None, min_captured=0.5, patience=2, health_log=None):
     """Applied (averaged) gradients of every step.
 
     raw_grads[t][rank][name]: each rank's gradient at step t (any shape).
@@ -27,9 +28,17 @@ def scalecom_reference(raw_grads, names, size, ratio, beta, warmup_steps, min_nu
     chosen_sets: {(t, name): indices} the code under test chose, where ties at the k-th magnitude
         are likely (bfloat16 gradients): each must be a top-k of the leader's |p| and is taken as I;
         elsewhere ties go to the lowest indices.
+    check_every, fallback, min_captured, patience: the health check. A compressed step t with
+        (t - warmup_steps) % check_every == 0 reduces P = mean_i p_i densely (in value_dtype); its output
+        is P at I, and G = top_k |P| gives overlap |I n G| / k and captured ||P[I]||^2 / ||P[G]||^2. With
+        fallback="dense", ``patience`` captured values below min_captured in a row make the tensor's
+        later steps send p densely (output P, m <- (1 - beta) m) until ``patience`` checks in a row reach
+        min_captured. health_log (a list) receives (t, name, hits, k, selected, topk, total, dense) per
+        finite check, ``dense``: whether the tensor is sent densely after it.
     Returns (applied, memories): applied[t][name] is the dense averaged update; memories[rank][name]
     the residue memory after the last step.
     """
+    streaks = {name: {"low": 0, "good": 0, "dense": False} for name in names}
     memories = [{n: np.zeros(raw_grads[0][0][n].size, np.float32) for n in names} for _ in range(size)]
     applied = []
     previous_p = {}
@@ -42,6 +51,15 @@ def scalecom_reference(raw_grads, names, size, ratio, beta, warmup_steps, min_nu
                 out[name] = (np.sum(g, axis=0) / size).reshape(per_rank[0][name].shape)
                 continue
             p = [memories[r][name] + g[r] for r in range(size)]                     # p_i = m_i + g_i
+            state = streaks[name]
+            is_check = check_every is not None and (t - warmup_steps) % check_every == 0
+            if state["dense"] and not is_check:                                      # fallback: every entry
+                P = np.sum([x.astype(value_dtype).astype(np.float32) for x in p], axis=0) / size
+                if (t, name) not in skip_memory and np.isfinite(P).all():
+                    for r in range(size):
+                        memories[r][name] = ((1 - beta) * memories[r][name]).astype(np.float32)
+                out[name] = P.reshape(per_rank[0][name].shape)
+                continue
             # what a leader selects from: p, or its memory where its gradient is not finite
             selectable = [p[r] if np.isfinite(g[r]).all() else memories[r][name] for r in range(size)]
             j = t % size if leader == "cyclic" else (t + index) % size               # leader
@@ -63,6 +81,13 @@ def scalecom_reference(raw_grads, names, size, ratio, beta, warmup_steps, min_nu
                 sent[r][chosen] = v[r]                                               # scatter(I, v_i)
             dense = np.zeros(numel, np.float32)
             dense[chosen] = np.sum(v, axis=0) / size                                 # mean_i v_i
+            was_dense = state["dense"]
+            if is_check:
+                P = np.sum([x.astype(value_dtype).astype(np.float32) if np.isfinite(g[r]).all()
+                            else np.full(numel, np.nan, np.float32) for r, x in enumerate(p)], axis=0) / size
+                if was_dense:
+                    dense, sent = P, p                                               # every entry sent
+                _check(P, chosen, k, name, t, state, fallback, min_captured, patience, health_log)
             for r in range(size):
                 if (t, name) in skip_memory or not np.isfinite(dense).all():
                     continue
@@ -71,6 +96,27 @@ def scalecom_reference(raw_grads, names, size, ratio, beta, warmup_steps, min_nu
             out[name] = dense.reshape(per_rank[0][name].shape)
         applied.append(out)
     return applied, memories
+
+
+def _check(P, chosen, k, name, t, state, fallback, min_captured, patience, health_log):
+    """One check of the health check: its measures, then the fallback's streaks."""
+    if not np.isfinite(P).all():
+        return
+    squares = P.astype(np.float64) ** 2
+    top = np.argsort(-squares, kind="stable")[:k]                                    # G = top_k |P|
+    selected, topk = squares[chosen].sum(), squares[top].sum()
+    low = (selected / topk if topk > 0 else 1.0) < min_captured
+    if state["dense"]:
+        state["good"] = 0 if low else state["good"] + 1
+        if state["good"] >= patience:
+            state.update(dense=False, good=0)
+    else:
+        state["low"] = state["low"] + 1 if low else 0
+        if state["low"] >= patience and fallback == "dense":
+            state.update(dense=True, low=0)
+    if health_log is not None:
+        health_log.append((t, name, len(set(top.tolist()) & set(np.asarray(chosen).tolist())), k,
+                           float(selected), float(topk), float(squares.sum()), state["dense"]))
 
 
 def selected_count(ratio, numel, max_k=None):
