@@ -11,7 +11,8 @@ _PER_STEP = ("sent_bytes", "index_bytes", "value_bytes", "dense_bytes", "uncompr
 
 def stats_scalars(stats, prefix="scalecom"):
     """``{tag: float}`` from a ``stats()`` dict: this step's bytes and ratio, compute and wait times in
-    milliseconds, the run's overall ratio, and non-finite skips where the compressor counts them."""
+    milliseconds, the run's overall ratio, non-finite skips where the compressor counts them, and the
+    health check's figures where it runs (``stats()["health"]``)."""
     out = {f"{prefix}/{key}": float(stats[key]) for key in _PER_STEP if key in stats}
     for key in ("compress_seconds", "index_wait_seconds"):
         if key in stats:
@@ -21,6 +22,10 @@ def stats_scalars(stats, prefix="scalecom"):
         out[f"{prefix}/ratio_over_run"] = float(total["ratio"])
     if "nonfinite_skips" in stats:
         out[f"{prefix}/nonfinite_skips"] = float(stats["nonfinite_skips"])
+    health = stats.get("health") or {}
+    for key in ("overlap", "captured", "selected_share", "topk_share", "dense_tensors", "checks"):
+        if key in health:
+            out[f"{prefix}/health_{key}"] = float(health[key])
     return out
 
 

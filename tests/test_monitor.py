@@ -23,6 +23,17 @@ def test_stats_scalars():
     assert s["scalecom/ratio_over_run"] == 9.5
     assert s["scalecom/nonfinite_skips"] == 1.0
     assert "scalecom/step" not in s and "scalecom/tensors" not in s
+    assert not any("health" in tag for tag in s)
+
+
+def test_stats_scalars_of_the_health_check():
+    health = {"checks": 6, "dense_steps": 2, "dense_tensors": 1, "overlap": 0.25, "captured": 0.5,
+              "selected_share": 0.2, "topk_share": 0.4, "by_tensor": {"w": {"overlap": 0.25}}}
+    s = stats_scalars({**sample_stats(), "health": health})
+    assert s["scalecom/health_overlap"] == 0.25 and s["scalecom/health_captured"] == 0.5
+    assert s["scalecom/health_selected_share"] == 0.2 and s["scalecom/health_topk_share"] == 0.4
+    assert s["scalecom/health_dense_tensors"] == 1.0 and s["scalecom/health_checks"] == 6.0
+    assert not any("by_tensor" in tag or tag.endswith("dense_steps") for tag in s)
 
 
 def test_log_stats_to_tensorboard(tmp_path):
