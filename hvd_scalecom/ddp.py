@@ -39,12 +39,14 @@ import torch.distributed as dist
 from hvd_scalecom.agreement import DTYPES_HINT, STEPS_HINT, check_gathered, dtype_names, encode, shapes_digest
 from hvd_scalecom.config import INDEX_DTYPES, VALUE_DTYPES, ScaleComConfig, check_dtype_name
 from hvd_scalecom.ddp_bucket import TORCH_DTYPES, BucketStep
+from hvd_scalecom.health import HealthCheck, HealthMonitor
 from hvd_scalecom.state_checks import checked_params
 from hvd_scalecom.torch import clt_k
 from hvd_scalecom.torch.saved_state import as_memory_of, check_state_entry
 from hvd_scalecom.traffic import TrafficMeter
 
 __all__ = ["ScaleComState", "scalecom_hook"]
+
 
 class ScaleComState:
     """What :func:`scalecom_hook` keeps from step to step: the configuration, the step counter ``iter``
@@ -60,15 +62,23 @@ class ScaleComState:
             :meth:`state_dict`, errors and :meth:`stats`, and the parameter order of the
             ``"staggered"`` leader (as Horovod's). Without it parameters are named ``param0``,
             ``param1``, ... in the order the hook first meets them, and there is no ``state_dict``.
+        check_every, fallback, min_captured, patience: the health check and the dense fallback, as for
+            the Horovod ``ScaleCom`` (``hvd_scalecom.health.HealthCheck``; off by default). The step
+            they count is ``iter``; they need ``named_parameters``.
     """
 
     def __init__(self, process_group=None, ratio=0.01, beta=0.1, warmup_steps=0, min_numel=1024, *,
                  leader="cyclic", selection="threshold", value_dtype=None, index_dtype=torch.int32,
-                 named_parameters=None):
+                 named_parameters=None, check_every=None, fallback=None, min_captured=0.5, patience=2):
         self.config = ScaleComConfig(
             ratio=ratio, beta=beta, warmup_steps=warmup_steps, min_numel=min_numel, leader=leader,
             selection=selection, value_dtype=check_dtype_name(value_dtype, "value_dtype", VALUE_DTYPES),
             index_dtype=check_dtype_name(index_dtype, "index_dtype", INDEX_DTYPES))
+        self.health = HealthCheck(check_every=check_every, fallback=fallback, min_captured=min_captured,
+                                  patience=patience)
+        if self.health.enabled and named_parameters is None:
+            raise ValueError(f"check_every={check_every} needs named_parameters (the health check keeps its "
+                             f"figures and decisions by parameter name): pass model.named_parameters()")
         self.process_group = _check_group(process_group)
         self.iter = 0  # t: synchronised backward passes so far
         self.nonfinite_skips = 0  # parameter-steps whose memory update a non-finite reduction skipped
@@ -80,6 +90,9 @@ class ScaleComState:
             for index, (name, param) in enumerate(_named_parameter_list(named_parameters)):
                 self._params[id(param)] = (name, index, param)
         self._memories = {}  # name -> flat residue memory
+        self._health_names = [name for name, _, _ in self._params.values()]
+        self._warns = None  # whether this rank warns (rank 0 of the group), known at the first step
+        self._monitor = self._new_monitor()
         self._agreed = False
         self._lock = threading.Lock()  # the meter and counters, written from the hook and from callbacks
         self._issuer = None  # this step's Issuer (hvd_scalecom.ddp_bucket)
@@ -92,32 +105,41 @@ class ScaleComState:
         received by the others), ``value_bytes``, ``dense_bytes``, ``sent_bytes``,
         ``uncompressed_bytes`` (what DDP's own allreduce would have handed over), ``ratio``,
         ``compress_seconds``, ``index_wait_seconds`` (0 here: nothing waits), ``tensors``,
-        ``nonfinite_skips`` and ``total`` (every step so far). Call it between steps."""
+        ``nonfinite_skips`` and ``total`` (every step so far); with ``check_every``, ``health`` (see
+        ``hvd_scalecom.health.HealthMonitor.summary``). Call it between steps."""
         explicit = step is not None
         if step is None:
             step = max(self.iter - 1, 0)
         with self._lock:
             out = self.traffic.step(step, strict=explicit).as_dict()
             out["total"] = self.traffic.total.as_dict()
+            if self._monitor is not None:
+                out["health"] = self._monitor.summary()
         out["step"] = step
         out["nonfinite_skips"] = self.nonfinite_skips
         return out
 
     def state_dict(self):
         """This rank's residue memories by parameter name (each rank's differ: every rank saves its
-        own), the step counter and the configuration. Call it between steps."""
+        own), the step counter and the configuration; with ``check_every``, the health check's state
+        (``health``: each parameter's streaks, latest figures and fallback). Call it between steps."""
         self._need_names("state_dict()")
         params = {}
         for name, _, param in self._params.values():
             memory = self._memories.get(name)
             params[name] = {"step": self.iter, "shape": list(param.shape),
                             "memory": None if memory is None else memory.detach().clone()}
-        return {"config": self.config.as_dict(), "step": self.iter, "nonfinite_skips": self.nonfinite_skips,
-                "params": params}
+        out = {"config": self.config.as_dict(), "step": self.iter, "nonfinite_skips": self.nonfinite_skips,
+               "params": params}
+        if self._monitor is not None:
+            out["health"] = self._monitor.state_dict()
+        return out
 
     def load_state_dict(self, state):
         """Restore what :meth:`state_dict` returned (every entry checked before anything changes).
-        Every rank must load a state of the same step: the first step after compares them."""
+        Every rank must load a state of the same step: the first step after compares them. A state
+        without ``health`` (saved without ``check_every``) starts the health check afresh; one with it
+        loaded where ``check_every`` is off leaves it unused."""
         self._need_names("load_state_dict()")
         by_name = {name: param for name, _, param in self._params.values()}
         params = checked_params(state, "ScaleComState", self.config.as_dict(), by_name)
@@ -132,7 +154,11 @@ class ScaleComState:
                 raise ValueError(f"state step of {name!r} is {entry['step']}, the state's {step}")
             if entry.get("memory") is not None:
                 memories[name] = as_memory_of(entry["memory"], param)
+        monitor = self._new_monitor()
+        if monitor is not None and state.get("health") is not None:
+            monitor.load_state_dict(state["health"])
         self.iter = step
+        self._monitor = monitor
         self.nonfinite_skips = int(state.get("nonfinite_skips", 0))
         self._memories = memories
         self._agreed = False  # the restored step is compared across ranks at the next step
@@ -149,7 +175,8 @@ class ScaleComState:
         return state
 
     def __setstate__(self, state):
-        self.__dict__.update(state)
+        self.__dict__.update({"health": HealthCheck(), "_monitor": None, "_health_names": []}, **state)
+        self._warns = None  # (rank 0 of the group it runs in: known at the next step)
         self.process_group = None
         self._lock = threading.Lock()
         self._issuer = None
@@ -157,10 +184,42 @@ class ScaleComState:
     def bind_parameters(self, named_parameters):
         """Name the parameters (``model.named_parameters()``) of a state unpickled or built without
         them; their residue memories are found by these names."""
+        params = {id(p): (n, i, p) for i, (n, p) in enumerate(_named_parameter_list(named_parameters))}
+        names = [name for name, _, _ in params.values()]
+        if self.health.enabled and names != self._health_names:
+            raise ValueError("bind_parameters: named_parameters name other parameters than those the health "
+                             "check was built for")
         self._named = True
-        self._params = {id(p): (n, i, p) for i, (n, p) in enumerate(_named_parameter_list(named_parameters))}
+        self._params = params
 
     # -- internals ----------------------------------------------------------------------------------
+
+    def _new_monitor(self):
+        if not self.health.enabled:
+            return None
+        return HealthMonitor(self.health, self._health_names, warn=bool(self._warns))
+
+    def _bind_warning(self, rank):
+        """At the first step: only rank 0 of the group warns when checks stay low (the monitor is
+        rebuilt with that knowledge, keeping its state)."""
+        if self._warns is None and self._monitor is not None:
+            self._warns = rank == 0
+            saved = self._monitor.state_dict()
+            self._monitor = self._new_monitor()
+            self._monitor.load_state_dict(saved)
+
+    def _sends_dense(self, name):
+        """Whether the fallback sends parameter ``name`` densely at this step."""
+        return self._monitor is not None and self._monitor.sends_dense(name)
+
+    def _count_dense_step(self, name):
+        with self._lock:
+            self._monitor.count_dense_step(name)
+
+    def _record_check(self, name, t, measures):
+        """A check step's measures (every rank's alike: from the reduced ``P`` and the shared ``I``)."""
+        with self._lock:
+            self._monitor.record(name, t, measures)
 
     def _need_names(self, what):
         if not self._params or not self._named:
@@ -201,7 +260,8 @@ class ScaleComState:
         """At the first step (and the first after load_state_dict): one allgather of a digest of this
         rank's configuration; where they differ, every rank gathers the full summaries and raises the
         same ValueError naming what differs (``hvd_scalecom.agreement``)."""
-        summary = {**self.config.as_dict(), "step": self.iter, "named_parameters": self._named}
+        summary = {**self.config.as_dict(), "health": self.health.as_dict(), "step": self.iter,
+                   "named_parameters": self._named}
         if self._named:
             params = sorted(self._params.values(), key=lambda entry: entry[1])
             summary["parameter_digest"] = shapes_digest([(n, tuple(p.shape)) for n, _, p in params])

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from hvd_scalecom.config import INT32_INDEX_MAX_NUMEL
 from hvd_scalecom.torch import clt_k
+from hvd_scalecom.torch.health import measure
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                 "int32": torch.int32, "int64": torch.int64}
@@ -70,19 +71,43 @@ class Issuer:
 
 
 class _Compressed:
-    """One compressed parameter of a bucket: its gradient (a flat view of the bucket's buffer), memory,
-    k, leader, place in the bucket's index buffer, and ``taken`` (``clt_k.Taken``) once step 3 ran."""
+    """One compressed parameter of a bucket at one step: its gradient (a flat view of the bucket's
+    buffer), memory, k, leader; how it travels (``check``: a check step of the health check;
+    ``dense``: sent densely by the fallback); its place in the bucket's index buffer (None where no
+    indices travel: a fallback step that is no check); ``taken`` (``clt_k.Taken``) once step 3 ran,
+    and ``sent``, what this rank hands to the values' allreduce (``p[I]``, or ``p`` where
+    :attr:`sends_p`)."""
 
-    __slots__ = ("name", "grad", "memory", "k", "leader", "offset", "taken")
+    __slots__ = ("name", "grad", "memory", "k", "leader", "check", "dense", "offset", "taken", "sent")
 
-    def __init__(self, name, grad, memory, k, leader, offset):
-        self.name, self.grad, self.memory, self.k, self.leader, self.offset = name, grad, memory, k, leader, offset
-        self.taken = None
+    def __init__(self, name, grad, memory, k, leader, check, dense):
+        self.name, self.grad, self.memory, self.k, self.leader = name, grad, memory, k, leader
+        self.check, self.dense = check, dense
+        self.offset = self.taken = self.sent = None
+
+    @property
+    def sends_p(self):
+        """Whether this rank sends ``p`` densely (a check step, or the fallback) instead of ``p[I]``."""
+        return self.check or self.dense
+
+    @property
+    def exchanges_indices(self):
+        return not self.dense or self.check
+
+    @property
+    def width(self):
+        """The entries this parameter puts in the values' allreduce."""
+        return self.grad.numel() if self.sends_p else self.k
 
 
 class BucketStep:
     """ScaleCom for one bucket at one step: :meth:`start` runs in the hook; :meth:`_take` once the
-    indices have arrived; :meth:`_finish` once the values are reduced."""
+    indices have arrived; :meth:`_finish` once the values are reduced. With the health check
+    (:mod:`hvd_scalecom.health`), a compressed parameter's step is one of: plain; a check step (``p``
+    sent densely, the output and memory those of a plain step, then the measures recorded); a
+    fallback step (no indices; ``p`` sent densely; output ``P``, ``m <- (1 - beta) m``); or a check
+    step while falling back (the leader's indices travel for the measures, otherwise a fallback step).
+    Every rank takes the same decisions (from reduced values), so the collectives stay the same."""
 
     def __init__(self, state, bucket):
         self.state = state
@@ -90,13 +115,14 @@ class BucketStep:
         self.buffer = bucket.buffer()
 
     def start(self):
-        state, config = self.state, self.state.config
+        state, config, health = self.state, self.state.config, self.state.health
         began = time.perf_counter()
         group = state._group()
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.group = group
         if not state._agreed:
             state._check_agreement(group, self.buffer.device)
+        state._bind_warning(self.rank)
         t = self.t = state.iter
         if state._issuer is None or state._issuer.t != t:
             state._issuer = Issuer(t)
@@ -108,32 +134,39 @@ class BucketStep:
         self.result = torch.futures.Future(devices=[self.buffer.device]) if self.buffer.is_cuda \
             else torch.futures.Future()
         self.compressed, self.dense = [], []
+        value_itemsize = self._value_dtype().itemsize
+        check = health.is_check_step(t, config.warmup_steps)
         offset, widest = 0, 0
         for param, grad in zip(self.bucket.parameters(), self.bucket.gradients()):
             name, index = state._describe(param)
             numel = grad.numel()
             flat = grad.view(-1)
-            if config.is_compressed(numel, t):
-                k = config.num_selected(numel)
-                self.compressed.append(_Compressed(name, flat, state._memory(name, grad), k,
-                                                   config.leader_rank(t, self.size, index), offset))
-                offset, widest = offset + k, max(widest, numel)
-                state._record(t, index_bytes=k * config.index_itemsize(numel),
-                              value_bytes=k * self._value_dtype().itemsize,
-                              uncompressed_bytes=numel * grad.element_size())
-            else:
+            if not config.is_compressed(numel, t):
                 self.dense.append(flat)
                 state._record(t, dense_bytes=numel * grad.element_size(),
                               uncompressed_bytes=numel * grad.element_size())
+                continue
+            entry = _Compressed(name, flat, state._memory(name, grad), config.num_selected(numel),
+                                config.leader_rank(t, self.size, index), check, state._sends_dense(name))
+            self.compressed.append(entry)
+            if entry.exchanges_indices:
+                entry.offset = offset
+                offset, widest = offset + entry.k, max(widest, numel)
+            sent_bytes = entry.width * value_itemsize
+            state._record(t, index_bytes=entry.k * config.index_itemsize(numel) if entry.exchanges_indices else 0,
+                          value_bytes=0 if entry.dense and not check else sent_bytes,
+                          dense_bytes=sent_bytes if entry.dense and not check else 0,
+                          uncompressed_bytes=numel * grad.element_size())
+        self.indexed = [entry for entry in self.compressed if entry.exchanges_indices]
         seq = 2 * self.position
-        if not self.compressed:
+        if not self.indexed:
             self.issuer.submit(seq, lambda: None)
             self._submit_values()
             state._add_time(t, time.perf_counter() - began)
             return self._returned()
         index_dtype = TORCH_DTYPES["int64" if widest > INT32_INDEX_MAX_NUMEL else config.index_dtype]
         self.indices = torch.zeros(offset, dtype=index_dtype, device=self.buffer.device)
-        for entry in self.compressed:
+        for entry in self.indexed:
             if entry.leader == self.rank:  # steps 1-3 on the leader
                 chosen, entry.taken = clt_k.select_and_take(entry.memory, entry.grad, entry.k, config.selection,
                                                             index_dtype=index_dtype)
@@ -154,7 +187,7 @@ class BucketStep:
     def _launch_indices(self):
         """Step 2: one collective for the bucket's indices."""
         if self.state.config.leader == "cyclic":
-            work = dist.broadcast(self.indices, group=self.group, group_src=self.compressed[0].leader, async_op=True)
+            work = dist.broadcast(self.indices, group=self.group, group_src=self.indexed[0].leader, async_op=True)
         else:  # several leaders: each gives the indices it leads, zeros elsewhere
             work = dist.all_reduce(self.indices, group=self.group, async_op=True)
         work.get_future().then(self._guarded(self._take))
@@ -171,24 +204,34 @@ class BucketStep:
                     self.result.set_exception(error)
         return callback
 
+    def _chosen(self, entry):
+        return self.indices[entry.offset:entry.offset + entry.k]
+
     def _take(self, _):
         """Step 3 on the ranks that did not select: ``p_i[I]``; then the values' allreduce."""
         began = time.perf_counter()
-        for entry in self.compressed:
-            if entry.taken is None:
-                chosen = self.indices[entry.offset:entry.offset + entry.k].to(torch.int64)
-                entry.taken = clt_k.take_checking(entry.memory, entry.grad, chosen)
+        for entry in self.indexed:
+            if entry.taken is None and not entry.dense:
+                entry.taken = clt_k.take_checking(entry.memory, entry.grad, self._chosen(entry).to(torch.int64))
         self.state._add_time(self.t, time.perf_counter() - began)
         self._submit_values()
 
     def _submit_values(self):
+        """What each parameter sends: ``p[I]`` in the values' dtype, or ``p`` where it is sent densely. A
+        rank whose gradient is not finite sends NaN (in ``p[I]``'s place, and in a check step's ``p``),
+        so that every rank sees a non-finite reduction and keeps its memory."""
         dtype = self._value_dtype()
         parts = []
         for entry in self.compressed:
-            sent = entry.taken.values.to(dtype)
-            if not entry.taken.finite:  # every rank then sees a non-finite reduction and keeps its memory
+            if entry.sends_p:
+                sent = clt_k.error_compensated(entry.memory, entry.grad).to(dtype)
+                finite = not entry.check or (entry.taken.finite if entry.taken is not None
+                                             else clt_k.all_finite(entry.grad))
+            else:
+                sent, finite = entry.taken.values.to(dtype), entry.taken.finite
+            if not finite:
                 sent = torch.full_like(sent, float("nan"))
-            entry.taken = (entry.taken, sent)
+            entry.sent = sent
             parts.append(sent)
         together = dtype == self.buffer.dtype
         if together:
@@ -209,18 +252,31 @@ class BucketStep:
         combined.then(self._guarded(self._finish))
 
     def _finish(self, _):
-        """Steps 4-5: the memory update and the averaged update written into the bucket's buffer."""
+        """Steps 4-5: the memory update and the averaged update written into the bucket's buffer; the
+        health check's measures of a check step."""
         began = time.perf_counter()
         beta, skips = self.state.config.beta, 0
         reduced = self.values.div_(self.size) if self.values is not None else None
         at = 0
         for entry in self.compressed:
-            taken, sent = entry.taken
-            chosen = self.indices[entry.offset:entry.offset + entry.k]
-            updated = clt_k.filter_and_scatter_(entry.memory, entry.grad, chosen, reduced[at:at + entry.k],
-                                                taken, sent, beta)
+            part = reduced[at:at + entry.width]
+            at += entry.width
+            if entry.dense:  # the ScaleCom step with every entry selected: out = P, m <- (1 - beta) m
+                updated = clt_k.all_finite(part)
+                if updated:
+                    entry.memory.mul_(1.0 - beta)
+                entry.grad.copy_(part)
+                self.state._count_dense_step(entry.name)
+            elif entry.check:  # the plain step's output and memory, from P[I]
+                chosen = self._chosen(entry).to(torch.int64)
+                updated = clt_k.filter_and_scatter_(entry.memory, entry.grad, chosen, part.index_select(0, chosen),
+                                                    entry.taken, entry.sent.index_select(0, chosen), beta)
+            else:
+                updated = clt_k.filter_and_scatter_(entry.memory, entry.grad, self._chosen(entry), part,
+                                                    entry.taken, entry.sent, beta)
+            if entry.check:
+                self.state._record_check(entry.name, self.t, measure(part, self._chosen(entry), entry.k))
             skips += not updated
-            at += entry.k
         dense = reduced[at:] if self.dense_sum is None else self.dense_sum.div_(self.size)
         at = 0
         for grad in self.dense:

@@ -47,6 +47,18 @@ SCENARIOS = [
     {"name": "dense", "kind": "dense_bytes", "steps": 3},
 ]
 REFERENCED = {"cyclic": NAMES, "staggered": NAMES, "unused": UNUSED_NAMES, "static": NAMES}
+# The health check and the dense fallback on ddp_common.HealthNet, whose gradients take `a` through
+# compressed -> check (low) -> check (low) -> fallback -> check (good) -> check (good) -> compressed,
+# while `b` stays compressed: several buckets (`a` alone in one), then one bucket with fp16 values.
+HEALTH = {**SMALL, "beta": 0.5, "warmup_steps": 1, "check_every": 2, "fallback": "dense", "min_captured": 0.5,
+          "patience": 2}
+HEALTH_NAMES = ["a", "b", "bias"]
+HEALTH_SCENARIOS = [
+    {"name": "health", "kind": "train", "model": "health", "steps": 11, "ddp": {"bucket_cap_mb": 0.001},
+     "state": HEALTH},
+    {"name": "health_staggered", "kind": "train", "model": "health", "steps": 11,
+     "state": {**HEALTH, "leader": "staggered", "value_dtype": "float16"}},
+]
 
 
 def torchrun(opts, nproc, out_dir, timeout=240):
@@ -67,9 +79,13 @@ def jobs(tmp_path_factory):
     resume = {"name": "resume", "kind": "train", "steps": 6, "state": {**SMALL, "beta": 0.5, "warmup_steps": 1},
               "save_after": 3, "ckpt_dir": str(base / "ckpt")}
     mismatch = {"name": "mismatch", "kind": "mismatch"}
-    out = {2: torchrun({"scenarios": [*SCENARIOS, match, resume, mismatch]}, 2, base / "np2"),
-           3: torchrun({"scenarios": [*SCENARIOS[:4], mismatch]}, 3, base / "np3")}
-    out["resumed"] = torchrun({"scenarios": [{**resume, "load": True}]}, 2, base / "resumed")
+    # saved after step 4, a fallback step of `a`: resumed in the middle of its fallback
+    health_saved = {**HEALTH_SCENARIOS[0], "save_after": 5, "ckpt_dir": str(base / "health_ckpt")}
+    out = {2: torchrun({"scenarios": [*SCENARIOS, match, resume, mismatch, health_saved, *HEALTH_SCENARIOS[1:]]},
+                       2, base / "np2"),
+           3: torchrun({"scenarios": [*SCENARIOS[:4], mismatch, *HEALTH_SCENARIOS]}, 3, base / "np3")}
+    out["resumed"] = torchrun({"scenarios": [{**resume, "load": True}, {**health_saved, "load": True}]}, 2,
+                              base / "resumed")
     return out
 
 
@@ -162,6 +178,129 @@ def test_ranks_configured_differently_all_get_one_error(jobs, size):
         errors.pop()
 
 
+def _health_reference(results, sc, size):
+    """The reference's applied updates, memories and health log for a health scenario's recorded gradients."""
+    state, steps = sc["state"], sc["steps"]
+    raw = [[{n: results[r][f"{sc['name']}/raw/{t}/{n}"] for n in HEALTH_NAMES} for r in range(size)]
+           for t in range(steps)]
+    log = []
+    applied, memories = scalecom_reference(
+        raw, HEALTH_NAMES, size, state["ratio"], state["beta"], state["warmup_steps"], state["min_numel"],
+        leader=state.get("leader", "cyclic"), value_dtype=np.float16 if state.get("value_dtype") else np.float32,
+        check_every=state["check_every"], fallback=state["fallback"], min_captured=state["min_captured"],
+        patience=state["patience"], health_log=log)
+    return applied, memories, log
+
+
+def _dense_before(log, name, t):
+    """Whether the reference sends `name` densely at step t (its latest check before t said so)."""
+    return next((entry[7] for entry in reversed(log) if entry[1] == name and entry[0] < t), False)
+
+
+def _expected_health(log, t, warmup_steps):
+    """stats()["health"] after step t, from the reference's log."""
+    latest, by_tensor = {}, {}
+    for entry in log:
+        if entry[0] <= t:
+            latest[entry[1]] = entry
+    for name, (step, _, hits, k, selected, topk, total, dense) in latest.items():
+        by_tensor[name] = {"step": step, "overlap": hits / k, "captured": selected / topk,
+                           "selected_share": selected / total, "topk_share": topk / total, "dense": dense,
+                           "checks": sum(e[1] == name and e[0] <= t for e in log)}
+    out = {"checks": sum(e[0] <= t for e in log),
+           "dense_steps": sum(_dense_before(log, n, s) for n in ("a", "b") for s in range(warmup_steps, t + 1)),
+           "dense_tensors": sum(e[7] for e in latest.values()), "by_tensor": by_tensor}
+    if latest:
+        hits, k, selected, topk, total = (sum(e[i] for e in latest.values()) for i in range(2, 7))
+        out.update(overlap=hits / k, captured=selected / topk, selected_share=selected / total,
+                   topk_share=topk / total)
+    return out
+
+
+def _assert_close(got, expected, rtol, where):
+    if isinstance(expected, dict):
+        assert set(got) == set(expected), where
+        for key in expected:
+            _assert_close(got[key], expected[key], rtol, f"{where}/{key}")
+    elif isinstance(expected, float):
+        assert got == pytest.approx(expected, rel=rtol, abs=1e-12), where
+    else:
+        assert got == expected, where
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("sc", HEALTH_SCENARIOS, ids=lambda sc: sc["name"])
+def test_health_check_and_fallback_equal_the_reference(jobs, size, sc):
+    """Updates, memories and stats()["health"] of every step equal the reference's, over a run that
+    goes compressed -> check -> fallback -> check -> compressed; every rank takes the same decisions."""
+    results, name, steps = jobs[size], sc["name"], sc["steps"]
+    applied, memories, log = _health_reference(results, sc, size)
+    assert [(t, n, dense) for t, n, *_, dense in log] == [
+        (t, n, n == "a" and t in (3, 5)) for t in (1, 3, 5, 7, 9) for n in ("a", "b")]  # the path taken
+    assert [t for t in range(steps) if _dense_before(log, "a", t)] == [4, 5, 6, 7]
+    fp16 = sc["state"].get("value_dtype") == "float16"
+    rtol, atol = (2e-3, 1e-5) if fp16 else (1e-5, 1e-6)
+    for t in range(steps):
+        for n in HEALTH_NAMES:
+            for r in range(size):
+                np.testing.assert_allclose(results[r][f"{name}/out/{t}/{n}"].reshape(-1), applied[t][n].reshape(-1),
+                                           rtol=rtol, atol=atol, err_msg=f"step {t} {n} rank {r}")
+        expected = _expected_health(log, t, sc["state"]["warmup_steps"])
+        for r in range(size):
+            stats = json.loads(str(results[r][f"{name}/stats_of/{t}"]))
+            _assert_close(stats["health"], expected, 1e-2 if fp16 else 1e-5, f"step {t} rank {r}")
+            assert stats["health"] == json.loads(str(results[0][f"{name}/stats_of/{t}"]))["health"]
+    for r in range(size):
+        for n in ("a", "b"):
+            np.testing.assert_allclose(results[r][f"{name}/mem/{n}"], memories[r][n], rtol=1e-5, atol=1e-6)
+        for n in HEALTH_NAMES:
+            np.testing.assert_array_equal(results[r][f"{name}/final/{n}"], results[0][f"{name}/final/{n}"])
+    scalars = json.loads(str(results[0][f"{name}/scalars"]))
+    assert scalars["scalecom/health_checks"] == 10 and scalars["scalecom/health_dense_tensors"] == 0
+    warned = [json.loads(str(results[r][f"{name}/warnings"])) for r in range(size)]
+    assert len(warned[0]) == 1 and "for 'a'" in warned[0][0] and "at step 3" in warned[0][0]
+    assert all(not w for w in warned[1:])  # rank 0 warns, once
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("sc", HEALTH_SCENARIOS, ids=lambda sc: sc["name"])
+def test_bytes_of_check_and_fallback_steps(jobs, size, sc):
+    """A check step sends its indices and p densely in the values' dtype; a fallback step p densely
+    and no indices; stats() counts what the torch.distributed calls were handed."""
+    results, name = jobs[size], sc["name"]
+    _, _, log = _health_reference(results, sc, size)
+    value = 2 if sc["state"].get("value_dtype") == "float16" else 4
+    numel, k = {"a": 400, "b": 300}, {"a": 20, "b": 15}
+    for t in range(sc["steps"]):
+        expected = {"index_bytes": 0, "value_bytes": 0, "dense_bytes": 4 * 10}
+        for n in ("a", "b"):
+            check, dense = t % 2 == 1, _dense_before(log, n, t)
+            if t == 0:
+                expected["dense_bytes"] += 4 * numel[n]  # warm-up
+            elif dense and not check:
+                expected["dense_bytes"] += value * numel[n]
+            else:
+                expected["index_bytes"] += 4 * k[n]
+                expected["value_bytes"] += value * (numel[n] if check else k[n])
+        for r in range(size):
+            stats = json.loads(str(results[r][f"{name}/stats_of/{t}"]))
+            assert {key: stats[key] for key in expected} == expected, f"step {t} rank {r}"
+            assert int(results[r][f"{name}/bytes/{t}"]) == stats["sent_bytes"] + (16 if t == 0 else 0)
+
+
+def test_a_job_resumed_in_the_middle_of_a_fallback_ends_where_an_uninterrupted_one_does(jobs):
+    straight, resumed = jobs[2], jobs["resumed"]
+    for r in range(2):
+        for n in HEALTH_NAMES:
+            np.testing.assert_array_equal(resumed[r][f"health/final/{n}"], straight[r][f"health/final/{n}"])
+        for n in ("a", "b"):
+            np.testing.assert_array_equal(resumed[r][f"health/mem/{n}"], straight[r][f"health/mem/{n}"])
+        for t in range(5, 11):
+            assert json.loads(str(resumed[r][f"health/stats_of/{t}"]))["health"] == \
+                json.loads(str(straight[r][f"health/stats_of/{t}"]))["health"], f"step {t}"
+        assert not json.loads(str(resumed[r]["health/warnings"]))  # (warned before the save)
+
+
 def test_same_weights_as_the_horovod_compressor(jobs, tmp_path):
     """The Horovod ScaleCom and the DDP hook on the same model, data and settings (2 ranks) end with
     the same weights: bit for bit (the sums of two values, and the division by 2, are exact)."""
@@ -186,6 +325,12 @@ def test_same_weights_as_the_horovod_compressor(jobs, tmp_path):
     ({"named_parameters": 5}, TypeError, "named_parameters must be an iterable"),
     ({"named_parameters": []}, ValueError, "named_parameters is empty"),
     ({"named_parameters": [("a", torch.zeros(1)), ("a", torch.zeros(1))]}, ValueError, "names 'a' twice"),
+    ({"check_every": 0}, ValueError, "check_every must be >= 1"),
+    ({"check_every": 2}, ValueError, "check_every=2 needs named_parameters"),
+    ({"fallback": "dense"}, ValueError, "fallback='dense' needs check_every"),
+    ({"check_every": 2, "fallback": "sparse"}, ValueError, "fallback must be one of"),
+    ({"check_every": 2, "min_captured": 1.5}, ValueError, "min_captured must be in"),
+    ({"check_every": 2, "patience": 0}, ValueError, "patience must be >= 1"),
 ])
 def test_bad_arguments_are_named(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -232,6 +377,31 @@ def test_state_dict_round_trip_and_refusals():
     with pytest.raises(ValueError, match="state step of 'first.weight' is 4, the state's 5"):
         state.load_state_dict(skewed)
     assert state.iter == 4  # nothing changed by the refusals
+
+
+def test_health_state_round_trip_and_refusals():
+    from hvd_scalecom.health import Measures
+    _, state = _named_state(check_every=2, fallback="dense", patience=1)
+    assert "health" not in _named_state()[1].state_dict() and "health" not in _named_state()[1].stats()
+    state._record_check("first.weight", 0, Measures(hits=1, k=103, selected=1.0, topk=9.0, total=20.0))
+    assert state._sends_dense("first.weight") and state.stats()["health"]["dense_tensors"] == 1
+    saved = state.state_dict()
+    _, other = _named_state(check_every=2, fallback="dense", patience=1)
+    other.load_state_dict(saved)
+    assert other._sends_dense("first.weight") and other.state_dict()["health"] == saved["health"]
+    bad = {**saved, "health": {"first.weight": saved["health"]["first.weight"]}}
+    with pytest.raises(ValueError, match="health state must have an entry for each of"):
+        other.load_state_dict(bad)
+    assert other._sends_dense("first.weight")  # nothing changed by the refusal
+    other.load_state_dict({k: v for k, v in saved.items() if k != "health"})  # saved without: fresh
+    assert not other._sends_dense("first.weight") and other.stats()["health"]["checks"] == 0
+    _, unchecked = _named_state()
+    unchecked.load_state_dict(saved)  # (check_every off: the saved health state is not used)
+    assert "health" not in unchecked.state_dict()
+    copy = pickle.loads(pickle.dumps(state))
+    assert copy.health == state.health and copy._sends_dense("first.weight")
+    with pytest.raises(ValueError, match="bind_parameters: named_parameters name other parameters"):
+        copy.bind_parameters(ddp_common.HealthNet().named_parameters())
 
 
 def test_pickling_drops_the_process_group_and_keeps_the_memories():

@@ -8,6 +8,9 @@ argv: JSON options, output directory. ``options["scenarios"]`` is a list of dict
   ``mem/name`` (residue memories after the last step), ``final/name`` (weights), ``iter`` and, per
   step, ``bytes/t`` (payload bytes this rank handed to torch.distributed's collectives during the
   backward pass, counted in the calls themselves) and ``stats/t`` (stats()'s sent_bytes of that step);
+  with ``"model": "health"`` (``ddp_common.HealthNet``, gradients the test chooses), also
+  ``stats_of/t`` (stats() after step t, JSON) and ``warnings`` (the health check's warnings this rank
+  raised, JSON);
 * ``"dense_bytes"``: the same model reduced by a plain allreduce hook: ``bytes/t`` only;
 * ``"mismatch"``: rank-dependent ratios; ``error`` holds the message every rank raised.
 
@@ -20,6 +23,7 @@ Every key is prefixed with the scenario's name. Writes ``rank<R>.npz``.
 import json
 import os
 import sys
+import warnings
 
 import ddp_common  # (this folder, the script's, is first on sys.path)
 import numpy as np
@@ -88,7 +92,8 @@ def train(sc):
     one; ``dtype``: the model's; ``unused``: a layer the forward pass never uses."""
     name = sc["name"]
     dtype = getattr(torch, sc.get("dtype", "float32"))
-    model = ddp_common.make_net(unused=sc.get("unused", False), dtype=dtype)
+    health = sc.get("model") == "health"
+    model = ddp_common.HealthNet() if health else ddp_common.make_net(unused=sc.get("unused", False), dtype=dtype)
     ddp = DDP(model, **sc.get("ddp", {}))
     names = {id(p): n for n, p in named(model)}
     state = ScaleComState(**sc.get("state", {}), named_parameters=named(model))
@@ -102,20 +107,27 @@ def train(sc):
         optimizer.load_state_dict(saved["optimizer"])
         state.load_state_dict(saved["scalecom"])
         first = saved["step"]
-    for step in range(first, sc["steps"]):
-        for micro in range(sc.get("accumulate", 0)):
-            with ddp.no_sync():
-                ddp_common.loss_of(ddp, step, rank, micro + 1, dtype).backward()
-        counted[0] = 0
-        ddp_common.loss_of(ddp, step, rank, 0, dtype).backward()
-        record[f"{name}/bytes/{step}"] = counted[0]
-        record[f"{name}/stats/{step}"] = state.stats()["sent_bytes"]
-        optimizer.step()
-        optimizer.zero_grad()
-        if sc.get("save_after") == step + 1:
-            os.makedirs(os.path.dirname(ckpt), exist_ok=True)
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "scalecom": state.state_dict(), "step": step + 1}, ckpt)
+    with warnings.catch_warnings(record=True) as warned:  # (the hook warns from the process group's threads)
+        warnings.simplefilter("always")
+        for step in range(first, sc["steps"]):
+            for micro in range(sc.get("accumulate", 0)):
+                with ddp.no_sync():
+                    ddp_common.loss_of(ddp, step, rank, micro + 1, dtype).backward()
+            counted[0] = 0
+            if health:
+                ddp_common.health_loss(ddp, step, rank, size).backward()
+                record[f"{name}/stats_of/{step}"] = json.dumps(state.stats())
+            else:
+                ddp_common.loss_of(ddp, step, rank, 0, dtype).backward()
+            record[f"{name}/bytes/{step}"] = counted[0]
+            record[f"{name}/stats/{step}"] = state.stats()["sent_bytes"]
+            optimizer.step()
+            optimizer.zero_grad()
+            if sc.get("save_after") == step + 1:
+                os.makedirs(os.path.dirname(ckpt), exist_ok=True)
+                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                            "scalecom": state.state_dict(), "step": step + 1}, ckpt)
+    record[f"{name}/warnings"] = json.dumps([str(w.message) for w in warned if "health check" in str(w.message)])
     record[f"{name}/iter"] = state.iter
     for n, p in named(model):
         record[f"{name}/final/{n}"] = p.detach().float().numpy().copy()
