@@ -6,7 +6,8 @@ and a communication hook: ScaleCom (hvd_scalecom.ddp), dense, fp16 or PyTorch's 
 Each worker trains on its shard of the 1,437 training images; accuracy is measured on the 360 held-out
 ones. Rank 0 prints per-epoch loss, test accuracy and the gradient bytes this rank handed to
 torch.distributed's collectives per step (counted in the calls themselves, for every hook alike:
-``dense`` is torch's ``allreduce_hook``, DDP's own reduction written as a hook) against dense.
+``dense`` is torch's ``allreduce_hook``, DDP's own reduction written as a hook) against dense; with
+``--check-every N`` also ScaleCom's health check (docs/ddp.md), with ``--fallback dense`` its fallback.
 """
 
 import argparse
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 from digits_common import (
     add_scalecom_arguments,
+    check_scalecom_arguments,
     digits_split,
     epoch_steps,
     evaluate,
@@ -51,7 +53,9 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=seed_value, default=0)
     ap.add_argument("--result", type=result_path, help="rank 0 writes final figures here as JSON")
     ap.add_argument("--tensorboard", metavar="DIR", help="rank 0 logs loss, accuracy and ScaleCom's stats() here")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    check_scalecom_arguments(ap, args)
+    return args
 
 
 
@@ -77,12 +81,20 @@ class CollectiveBytes:
         return call
 
 
+def health_figures(state):
+    """ScaleCom's health check over every parameter (``stats()["health"]`` without ``by_tensor``), or
+    None without ``--check-every``."""
+    health = state.stats().get("health") if isinstance(state, ScaleComState) else None
+    return None if health is None else {k: v for k, v in health.items() if k != "by_tensor"}
+
+
 def register(args, ddp, model):
     """The hook of ``--compression`` on ``ddp``; returns its state."""
     if args.compression == "scalecom":
         state = ScaleComState(ratio=args.ratio, beta=args.beta, warmup_steps=args.warmup_steps,
                               min_numel=args.min_numel, leader=args.leader, selection=args.selection,
                               value_dtype=args.value_dtype, index_dtype=args.index_dtype,
+                              check_every=args.check_every, fallback=args.fallback,
                               named_parameters=model.named_parameters())
         ddp.register_comm_hook(state, scalecom_hook)
     elif args.compression == "powersgd":
@@ -146,10 +158,15 @@ def main(argv=None):
         if writer is not None:
             writer.add_scalar("train/loss", mean_loss, global_step)
             writer.add_scalar("test/accuracy", accuracy, global_step)
+        health = health_figures(state)
         if rank == 0:
             print(f"epoch {epoch + 1:3d}/{args.epochs}  loss {mean_loss:.4f}  test accuracy "
                   f"{100 * accuracy:6.2f}%  gradient bytes/step {sent:9,} vs dense {dense_bytes:,} "
                   f"({reduction:5.1f}x fewer over the run)", flush=True)
+            if health:
+                print(f"  health check: captured {health.get('captured', 1.0):.3f}, overlap "
+                      f"{health.get('overlap', 1.0):.3f}, {health['dense_tensors']} tensors sent densely now, "
+                      f"{health['checks']} checks and {health['dense_steps']} dense tensor-steps so far", flush=True)
     if writer is not None:
         writer.close()
     if rank == 0:
@@ -159,6 +176,8 @@ def main(argv=None):
                   "seconds": time.perf_counter() - start, "steps": global_step, "epochs": args.epochs}
         if args.compression == "powersgd":
             result["powersgd_rank"] = args.powersgd_rank
+        if health:
+            result["health"] = health
         print("result " + json.dumps(result), flush=True)
         if args.result:
             with open(args.result, "w") as f:

@@ -145,3 +145,14 @@ def add_scalecom_arguments(ap, value_dtypes):
     ap.add_argument("--selection", choices=["exact", "threshold"], default="threshold")
     ap.add_argument("--value-dtype", choices=value_dtypes, default=None)
     ap.add_argument("--index-dtype", choices=["int32", "int64"], default="int32")
+    ap.add_argument("--check-every", type=positive_int, default=None,
+                    help="the health check: one compressed step in N also reduces p densely and measures how "
+                         "much of the global top-k's energy the leader's indices carry (stats()['health'])")
+    ap.add_argument("--fallback", choices=["dense"], default=None,
+                    help="send a parameter densely while its checks stay low (needs --check-every)")
+
+
+def check_scalecom_arguments(ap, args):
+    """Refuses (``ap.error``) ScaleCom options that do not go together."""
+    if args.fallback is not None and args.check_every is None:
+        ap.error(f"--fallback {args.fallback} needs --check-every (the checks decide when to fall back)")

@@ -431,14 +431,29 @@ def test_stats_before_any_step_and_log_stats():
 # -- the example ---------------------------------------------------------------------------------------
 
 def test_example_trains_briefly_and_reports(tmp_path):
+    """Two epochs of 11 steps; with --check-every 1000 the first step (only) is a check step: its three
+    weights go densely, the other steps compress."""
     result = tmp_path / "result.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            os.path.join(ROOT, "examples", "ddp_scalecom.py"), "--compression", "scalecom", "--epochs", "2",
-           "--batch-size", "64", "--result", str(result)]
+           "--batch-size", "64", "--check-every", "1000", "--fallback", "dense", "--result", str(result)]
     output = run_command(cmd, timeout=240)
-    assert "epoch   2/2" in output
+    assert "epoch   2/2" in output and "health check: captured" in output
     got = json.loads(result.read_text())
     line = next(line for line in output.splitlines() if line.startswith("result "))
     assert json.loads(line[len("result "):]) == got
-    assert got["compression"] == "scalecom" and got["workers"] == 2
-    assert got["reduction"] > 35 and 0.5 < got["accuracy"] <= 1 and math.isfinite(got["loss"])
+    assert got["compression"] == "scalecom" and got["workers"] == 2 and got["steps"] == 22
+    assert got["dense_bytes_per_step"] / got["sent_bytes_last_step"] > 35
+    assert 0.5 < got["accuracy"] <= 1 and math.isfinite(got["loss"])
+    health = got["health"]
+    assert health["checks"] == 3 and health["dense_steps"] == 0 and health["dense_tensors"] == 0
+    assert 0 < health["captured"] <= 1 and 0 <= health["overlap"] <= 1
+
+
+def test_example_refuses_a_fallback_without_checks(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    from ddp_scalecom import parse_args
+    assert parse_args(["--check-every", "50", "--fallback", "dense"]).check_every == 50
+    with pytest.raises(SystemExit):
+        parse_args(["--fallback", "dense"])
+    assert "--fallback dense needs --check-every" in capsys.readouterr().err
