@@ -23,6 +23,12 @@ DDP reduces, warm-up included; passes under ``no_sync()`` are not reduced and no
    parameter whose reduced values are not finite), and the bucket's buffer receives
    ``scatter(I, mean_i p_i[I])`` for each compressed parameter and the averages of the dense ones.
 
+With ``check_every`` (:mod:`hvd_scalecom.health`), at a check step each compressed parameter sends
+``p_i`` densely in step 3 in place of ``p_i[I]`` (its update and memory those of the plain step) and
+every rank measures ``I`` against the top-k of the reduced ``P``; with ``fallback="dense"`` a
+parameter whose checks stay low sends ``p_i`` densely without indices (update ``P``, ``m_i <- (1 -
+beta) m_i``) until they recover (:class:`hvd_scalecom.ddp_bucket.BucketStep`).
+
 The hook returns at once: the collectives run while the backward pass goes on. Collectives of one
 process group must be issued in the same order on every rank, and a Gloo future completes on one
 of the process group's threads at a time no other rank shares; so a step's collectives are issued
