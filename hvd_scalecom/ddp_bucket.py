@@ -152,11 +152,10 @@ class BucketStep:
             if entry.exchanges_indices:
                 entry.offset = offset
                 offset, widest = offset + entry.k, max(widest, numel)
-            sent_bytes = entry.width * value_itemsize
-            state._record(t, index_bytes=entry.k * config.index_itemsize(numel) if entry.exchanges_indices else 0,
-                          value_bytes=0 if entry.dense and not check else sent_bytes,
-                          dense_bytes=sent_bytes if entry.dense and not check else 0,
-                          uncompressed_bytes=numel * grad.element_size())
+                state._record(t, index_bytes=entry.k * config.index_itemsize(numel),
+                              value_bytes=entry.width * value_itemsize, uncompressed_bytes=numel * grad.element_size())
+            else:  # a fallback step: p densely, no indices
+                state._record(t, dense_bytes=numel * value_itemsize, uncompressed_bytes=numel * grad.element_size())
         self.indexed = [entry for entry in self.compressed if entry.exchanges_indices]
         seq = 2 * self.position
         if not self.indexed:
