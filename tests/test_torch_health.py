@@ -15,7 +15,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from jobs import add_run
+from jobs import add_run, define_job
 from reference import scalecom_reference
 from workers.states import same
 
@@ -32,8 +32,9 @@ def health_opts(np_):
     first reaches (0.40 and 0.37 against 0.49, the run being deterministic): at steps 4 and 5 one
     tensor falls back while the other is compressed; the indices are broadcast, to which the
     fallback steps post no receive."""
-    if np_ == 2:
+    if np_ == 2:  # (and the ranks that do not select write their memory over their gradients, where they may)
         return {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 10, "same_data_from": 5,
+                "advance_min_numel": 0,
                 "health": {"check_every": 2, "fallback": "dense", "min_captured": 0.9, "patience": 1}}
     return {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "steps": 16, "same_data_from": 6,
             "index_exchange": "broadcast",
@@ -54,33 +55,45 @@ scalecom_run("torch_np3", "health_np3_first", {**health_opts(3), "steps": RESUME
 scalecom_run("torch_np3_stall", "health_np3_second", lambda root: {
     **health_opts(3), "steps": health_opts(3)["steps"] - RESUME_AT, "first_step": RESUME_AT,
     "resume_from": str(root / "health_np3_first")}, ["test_state_mid_fallback_resumes_identically"])
+# checks alone (no fallback) on pipelined indices, fp16 values, traded buffers
+CHECKS_PIPELINED = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 2, "min_numel": 600, "steps": 8, "pipelined": True,
+                    "value_dtype": "float16", "advance_min_numel": 0, "health": {"check_every": 3}}
+scalecom_run("torch_np2", "health_checks_pipelined", CHECKS_PIPELINED, ["test_checks_alone_train_as_plain_scalecom"])
+
+# ranks whose health options differ: one clear error on every rank at the first step (the job's one failing run)
+define_job("torch_np2_health_disagreeing", 2)
+add_run("torch_np2_health_disagreeing", "health_disagreeing", "torch_scalecom.py",
+        {"steps": 2, "per_rank": {"1": {"health": {"check_every": 3, "min_captured": 0.7}}}},
+        ["test_ranks_whose_health_options_differ_all_get_one_clear_error"], fails=True, timeout=120)
 
 
 def raw_grads(results, steps, first=0):
     return [[{n: r[f"raw/{t}/{n}"] for n in NAMES} for r in results] for t in range(first, first + steps)]
 
 
-def reference(grads, opts, size):
-    """The reference's applied gradients, memories and health log for a run of ``opts``."""
+def reference(grads, opts, size, health=True):
+    """The reference's applied gradients, memories and health log for a run of ``opts`` (``health``:
+    with its health options, else without)."""
     log = []
     applied, memories = scalecom_reference(
         grads, NAMES, size, opts["ratio"], opts["beta"], opts["warmup_steps"], opts["min_numel"],
-        pipelined=opts.get("pipelined", False), health_log=log, **opts.get("health", {}))
+        value_dtype=np.float16 if opts.get("value_dtype") == "float16" else np.float32,
+        pipelined=opts.get("pipelined", False), health_log=log, **(opts.get("health", {}) if health else {}))
     return applied, memories, log
 
 
-def check_steps(results, applied, memories, first=0):
+def check_steps(results, applied, memories, first=0, rtol=2e-5, atol=1e-6):
     for t in range(len(applied)):
         for n in NAMES:
             for rank, r in enumerate(results):
                 got = r[f"applied/{first + t}/{n}"]
-                np.testing.assert_allclose(got, applied[t][n], rtol=2e-5, atol=1e-6,
+                np.testing.assert_allclose(got, applied[t][n], rtol=rtol, atol=atol,
                                            err_msg=f"step {first + t}, {n}, rank {rank}")
                 np.testing.assert_array_equal(got.reshape(-1) != 0, applied[t][n].reshape(-1) != 0,
                                               err_msg=f"step {first + t}, {n}, rank {rank}: non-zeros")
     for rank, r in enumerate(results):
         for n in K:
-            np.testing.assert_allclose(r[f"memory/{n}"], memories[rank][n], rtol=2e-5, atol=1e-6,
+            np.testing.assert_allclose(r[f"memory/{n}"], memories[rank][n], rtol=rtol, atol=atol,
                                        err_msg=f"memory of {n}, rank {rank}")
 
 
@@ -99,17 +112,20 @@ def kinds(log, opts, steps):
     return out
 
 
-def expected_bytes(kind_of, t):
-    """stats(step=t)'s payload bytes (float32 values, int32 indices) from the tensors' kinds at t."""
+def expected_bytes(kind_of, t, value_size=4, exchanges=1):
+    """stats(step=t)'s payload bytes (float32 gradients, values of ``value_size`` bytes, ``exchanges``
+    int32 index exchanges per tensor) from the tensors' kinds at t."""
     index = value = 0
     dense = 4 * (NUMEL["hidden.bias"] + NUMEL["out.bias"])
     for n, k in K.items():
         kind = kind_of[t, n]
-        if kind in ("warm-up", "dense"):
+        if kind == "warm-up":
             dense += 4 * NUMEL[n]
+        elif kind == "dense":
+            dense += value_size * NUMEL[n]
         else:
-            index += 4 * k
-            value += 4 * (NUMEL[n] if kind.startswith("check") else k)
+            index += 4 * k * exchanges
+            value += value_size * (NUMEL[n] if kind.startswith("check") else k)
     return {"index_bytes": index, "value_bytes": value, "dense_bytes": dense}
 
 
@@ -155,6 +171,8 @@ def test_fallback_and_return_match_the_reference(horovod_jobs, np_):
     if np_ == 3:  # steps where one tensor falls back and the other is compressed (or checked)
         assert [kind_of[t, n] for t in (4, 5) for n in K] == ["compressed", "dense", "check", "check, dense"]
     check_steps(results, applied, memories)
+    if "advance_min_numel" in opts:  # (plain compressed steps traded buffers; check steps may not)
+        assert any(int(r["traded"]) > 0 for r in results), [int(r["traded"]) for r in results]
     for r in results:
         for t in range(steps):
             stats = json.loads(str(r[f"stats/{t}"]))
@@ -162,6 +180,33 @@ def test_fallback_and_return_match_the_reference(horovod_jobs, np_):
             assert {key: stats[key] for key in want} == want, (t, [kind_of[t, n] for n in K])
         check_health_stats(json.loads(str(r["stats"])), log, kind_of, steps)
     assert [int(r["warnings"]) for r in results] == [1] + [0] * (np_ - 1)
+
+
+def test_checks_alone_train_as_plain_scalecom(horovod_jobs):
+    """check_every=3 without fallback, with pipelined indices, fp16 values and traded buffers: the
+    updates and memories are plain ScaleCom's (the reference without checks), a check step's values
+    are the dense p in fp16, and stats() reports the reference's checks."""
+    opts, steps = CHECKS_PIPELINED, CHECKS_PIPELINED["steps"]
+    results = horovod_jobs("torch_np2").completed("health_checks_pipelined")
+    grads = raw_grads(results, steps)
+    applied, memories, _ = reference(grads, opts, 2, health=False)
+    check_steps(results, applied, memories, rtol=2e-3, atol=2e-4)
+    _, _, log = reference(grads, opts, 2)
+    kind_of = kinds(log, opts, steps)
+    assert [kind_of[t, "hidden.weight"] for t in range(steps)] == \
+        ["warm-up", "warm-up", "check", "compressed", "compressed", "check", "compressed", "compressed"]
+    for r in results:
+        for t in range(steps):  # (the first compressed step exchanges its own indices and the next step's)
+            want = expected_bytes(kind_of, t, value_size=2, exchanges=2 if t == 2 else 1)
+            stats = json.loads(str(r[f"stats/{t}"]))
+            assert {key: stats[key] for key in want} == want, t
+        stats = json.loads(str(r["stats"]))
+        assert stats["health"]["checks"] == len(log) == 4 and stats["health"]["dense_steps"] == 0
+        for n in K:
+            t, *_, hits, k, selected, topk, total, dense = [e for e in log if e[1] == n][-1]
+            got = stats["health"]["by_tensor"][n]
+            assert got["step"] == 5 and got["overlap"] == hits / k and not got["dense"]
+            assert got["captured"] == pytest.approx(selected / topk, rel=1e-3)
 
 
 def test_state_mid_fallback_resumes_identically(horovod_jobs):
@@ -186,6 +231,19 @@ def test_state_mid_fallback_resumes_identically(horovod_jobs):
             {k: want[k] for k in ("checks", "dense_steps", "dense_tensors")}
         assert health["captured"] == pytest.approx(want["captured"], rel=1e-5)
     check_health_stats(json.loads(str(resumed[0]["stats"])), log, kinds(log, opts, steps), steps)
+
+
+def test_ranks_whose_health_options_differ_all_get_one_clear_error(horovod_jobs):
+    from devtools.launch import HorovodRunError
+
+    job = horovod_jobs("torch_np2_health_disagreeing")
+    assert isinstance(job.error, HorovodRunError), "run health_disagreeing did not fail"
+    report = job.failure("health_disagreeing")
+    assert "timed out" not in report.split("\n", 1)[0], report[:2000]
+    for rank in range(2):
+        printed = report.split(f"----- rank {rank} -----", 1)[1].split("----- rank ", 1)[0]
+        assert "ScaleCom is configured differently on different ranks (check_every, min_captured differ): " \
+               "rank 0: check_every=None, min_captured=0.5; rank 1: check_every=3, min_captured=0.7" in printed
 
 
 # -- single-process: the options, the state, the reference -----------------------------------------
