@@ -59,6 +59,8 @@ scalecom_run("torch_np3_stall", "health_np3_second", lambda root: {
 CHECKS_PIPELINED = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 2, "min_numel": 600, "steps": 8, "pipelined": True,
                     "value_dtype": "float16", "advance_min_numel": 0, "health": {"check_every": 3}}
 scalecom_run("torch_np2", "health_checks_pipelined", CHECKS_PIPELINED, ["test_checks_alone_train_as_plain_scalecom"])
+# the 2-rank run, with every rank's resync() (elastic Horovod's sync) at step 3, mid-fallback
+scalecom_run("torch_np2", "health_resync", {**health_opts(2), "resync_at": 3}, ["test_resync_forgets_the_checks"])
 
 # ranks whose health options differ: one clear error on every rank at the first step (the job's one failing run)
 define_job("torch_np2_health_disagreeing", 2)
@@ -207,6 +209,26 @@ def test_checks_alone_train_as_plain_scalecom(horovod_jobs):
             got = stats["health"]["by_tensor"][n]
             assert got["step"] == 5 and got["overlap"] == hits / k and not got["dense"]
             assert got["captured"] == pytest.approx(selected / topk, rel=1e-3)
+
+
+def test_resync_forgets_the_checks(horovod_jobs):
+    """resync() on every rank at step 3, while both tensors fall back: every rank forgets the checks, so
+    step 3 is a check of compressed tensors (k entries applied, not a dense step), whose low figures
+    (the same as the run without resync: the steps before are the same) send them densely again from
+    step 4; the ranks stay in step (the same updates), and the counts start again at step 3."""
+    results = horovod_jobs("torch_np2").completed("health_resync")
+    for r in results:
+        for n, k in K.items():
+            assert np.count_nonzero(r[f"applied/2/{n}"]) > 0.9 * NUMEL[n]  # a fallback step (before resync)
+            assert np.count_nonzero(r[f"applied/3/{n}"]) == k  # a check of a compressed tensor
+            assert np.count_nonzero(r[f"applied/4/{n}"]) > 0.9 * NUMEL[n]  # fallen back again
+        health = json.loads(str(r["stats"]))["health"]
+        assert health["checks"] == 2 * 4  # steps 3, 5, 7, 9 of both tensors
+        assert all(health["by_tensor"][n]["checks"] == 4 for n in K)
+    for n in NAMES:
+        for t in range(health_opts(2)["steps"]):
+            np.testing.assert_array_equal(results[1][f"applied/{t}/{n}"], results[0][f"applied/{t}/{n}"])
+    assert [int(r["warnings"]) for r in results] == [2, 0]  # (a fresh monitor on rank 0 warns again)
 
 
 def test_state_mid_fallback_resumes_identically(horovod_jobs):

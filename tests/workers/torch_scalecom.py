@@ -16,6 +16,7 @@ without ScaleCom's ``loss_scaler``; ``skip_broadcast``: no broadcast_parameters,
 ``health``: ScaleCom's health check options (``check_every``, ...); then ``stats/<t>`` is ``stats(step=t)``
 after every step and ``warnings`` the count of health warnings this rank issued. ``same_data_from``: from
 that step on every rank trains on the same data (rank 0's), so that the ranks' gradients agree.
+``resync_at``: at the top of that step every rank calls ``compression.resync()`` (as elastic Horovod's sync).
 """
 
 import copy
@@ -223,6 +224,8 @@ health_warnings = []
 for t in schedule:
     if late and rank == late["rank"] and t == schedule[0]:
         time.sleep(late["seconds"])
+    if opts.get("resync_at") == t:
+        compression.resync()
     if opts.get("skew_steps_at") == t:  # this rank's step counters jump by one (a state of another step)
         skewed = compression.state_dict()
         for entry in skewed["params"].values():
