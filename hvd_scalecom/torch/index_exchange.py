@@ -47,7 +47,8 @@ class IndexExchange:
 
     1. At its first ``compress`` of step ``t`` (:meth:`begin_step`) a rank other than ``L`` posts its
        part of the exchange of *every* parameter it will compress in ``t`` (its step counter is
-       ``t``, it requires grad, it is not excluded); such a parameter is *expected* in ``t``.
+       ``t``, it requires grad, it is not excluded, and ``skips`` does not exempt its step: the health
+       check's dense fallback exchanges no indices); such a parameter is *expected* in ``t``.
     2. A rank other than ``L`` waits for ``I`` only in ``p``'s own hook (:meth:`receive`), posting
        its part there if step 1 did not. ``L`` never waits in ``compress``: it posts its part when it
        has selected (:meth:`send`) and completes it in ``decompress`` (:meth:`finish`), after every
@@ -76,6 +77,7 @@ class IndexExchange:
         self._stall = stall
         self._posted_through = -1  # the last step begin_step posted for
         self._kept_open = []  # (slot, this rank's Posted or None) that load_state_dict kept open
+        self.skips = None  # (slot, t) -> whether slot's compressed step t exchanges no indices (a fallback step)
 
     # -- one step ---------------------------------------------------------------------------------
 
@@ -91,7 +93,7 @@ class IndexExchange:
                 stale.append(self._drop_stale(slot, x, rank))
             if x.excluded or slot.step != t or not slot.param.requires_grad:
                 continue
-            if self._config.is_compressed(slot.param.numel(), t):
+            if self._config.is_compressed(slot.param.numel(), t) and not (self.skips and self.skips(slot, t)):
                 x.expected = t
                 self._post(slot, x, t, rank, size)
         for handle in stale:

@@ -21,10 +21,12 @@ from horovod.torch.compression import Compressor
 
 from hvd_scalecom.agreement import DTYPES_HINT, STEPS_HINT, dtype_names, shapes_digest
 from hvd_scalecom.config import HOROVOD_VALUE_DTYPES, INDEX_DTYPES, ScaleComConfig, check_dtype_name, is_real
+from hvd_scalecom.health import HealthCheck
 from hvd_scalecom.state_checks import check_loss_scale, check_next_indices, checked_params
 from hvd_scalecom.torch import clt_k
 from hvd_scalecom.torch.collectives import check_agreement, check_process_set, stall_times
 from hvd_scalecom.torch.dtypes import TORCH_DTYPES, as_dtype, dense_on_the_wire, wire_dtype
+from hvd_scalecom.torch.health_steps import HealthStep, HealthSteps, check_options
 from hvd_scalecom.torch.index_exchange import MODES as INDEX_EXCHANGES
 from hvd_scalecom.torch.index_exchange import IndexExchange
 from hvd_scalecom.torch.loss_scale import check_loss_scaler, follow_loss_scale, restored_loss_scale
@@ -106,15 +108,30 @@ class ScaleCom(Compressor):
         timeout: seconds to wait for a leader's indices before raising a RuntimeError (default:
             ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` if set, else wait). A late exchange prints a
             warning every ``HOROVOD_STALL_CHECK_TIME_SECONDS`` (60 s), as Horovod does for its own.
+        check_every: the health check (``hvd_scalecom.health``): one compressed step in ``check_every`` of
+            each tensor (its first compressed step, then every ``check_every``-th) reduces ``p = m + g``
+            densely instead of ``p[I]`` (the same training; one dense step's bytes) and measures how much
+            of the averaged ``p``'s top-k energy the leader's indices carried; ``stats()["health"]``
+            reports it. ``None`` (default): no checks.
+        fallback: ``"dense"``: a tensor whose checks stay low (``captured < min_captured`` for
+            ``patience`` checks in a row) is sent densely until as many checks in a row recover;
+            ``None`` (default): the checks only report (and warn once, on rank 0). Needs
+            ``check_every`` and ``pipelined=False``.
+        min_captured: the captured energy share, in [0, 1], below which a check counts as low (0.5).
+        patience: low (or, falling back, good) checks in a row before a tensor changes how it is sent (2).
     """
 
     def __init__(self, named_parameters, ratio=0.01, beta=0.1, warmup_steps=0, min_numel=1024, *,
                  leader="cyclic", selection="threshold", value_dtype=None, index_dtype=torch.int32,
-                 pipelined=False, index_exchange="allgather", loss_scaler=None, process_set=None, timeout=None):
+                 pipelined=False, index_exchange="allgather", loss_scaler=None, process_set=None, timeout=None,
+                 check_every=None, fallback=None, min_captured=0.5, patience=2):
         self.config = ScaleComConfig(
             ratio=ratio, beta=beta, warmup_steps=warmup_steps, min_numel=min_numel, leader=leader,
             selection=selection, value_dtype=check_dtype_name(value_dtype, "value_dtype", HOROVOD_VALUE_DTYPES),
             index_dtype=check_dtype_name(index_dtype, "index_dtype", INDEX_DTYPES), pipelined=pipelined)
+        self.health = HealthCheck(check_every=check_every, fallback=fallback, min_captured=min_captured,
+                                  patience=patience)
+        check_options(self.health, self.config.pipelined)
         if index_exchange not in INDEX_EXCHANGES:
             raise ValueError(f"index_exchange must be one of {INDEX_EXCHANGES}, got {index_exchange!r}")
         self.index_exchange = index_exchange
@@ -132,6 +149,10 @@ class ScaleCom(Compressor):
         self._process_set = check_process_set(process_set)
         self._value_dtype = TORCH_DTYPES.get(self.config.value_dtype)
         self._exchange = IndexExchange(self._slots, self.config, index_exchange, self._process_set, stall)
+        self._health_steps = None  # the health check's steps (check_every), else None
+        if self.health.enabled:
+            self._health_steps = HealthSteps(self.health, [s.name for s in self._slots], self.config.warmup_steps)
+            self._exchange.skips = self._health_steps.exchanges_no_indices
         self._agreed = False  # configurations compared across ranks (at the first compress)
         self._scratch_buffers = {}  # (dtype, device) -> the leader's reused buffer for p = m + g
         self.traffic = TrafficMeter()
@@ -179,6 +200,10 @@ class ScaleCom(Compressor):
         self._post_receives(t, rank, size)
         slot.step += 1
         try:
+            if self._health_steps is not None:  # a check or fallback step (check_every)
+                kind = self._health_steps.kind(slot.name, t)
+                if kind is not None:
+                    return self._health_steps.compress(self, slot, tensor, step, original, kind)
             return self._compress_step(slot, tensor, step, original)
         except BaseException:
             slot.step = t  # the step did not happen: a retry (or a restored state) starts it again
@@ -239,6 +264,8 @@ class ScaleCom(Compressor):
             return tensor
         if isinstance(ctx, torch.dtype):  # a dense bfloat16 gradient, reduced as float32
             return tensor.to(ctx)
+        if isinstance(ctx, HealthStep):  # a check or fallback step (check_every)
+            return self._health_steps.decompress(self, tensor, ctx)
         start = time.perf_counter()
         slot, t, indices, grad, taken, leader_part, traded, version, original, sent_tensor = ctx
         self._exchange.finish(leader_part, slot)
@@ -329,6 +356,10 @@ class ScaleCom(Compressor):
         ``uncompressed_bytes``, ``ratio`` (uncompressed / sent), ``compress_seconds``,
         ``index_wait_seconds``, ``tensors`` and ``nonfinite_skips`` (tensor-steps whose memory update a
         non-finite reduction skipped, over all steps), and ``total``: the same over all steps so far.
+        With ``check_every``, ``health``: ``HealthMonitor.summary()`` (``overlap``, ``captured``,
+        ``selected_share``, ``topk_share`` over each tensor's latest check, ``checks``, ``dense_steps``,
+        ``dense_tensors`` and ``by_tensor``); a check step's dense ``p`` counts as ``value_bytes``, a
+        fallback step's as ``dense_bytes``.
         """
         explicit = step is not None  # (a default step is never refused)
         if step is None:
@@ -338,11 +369,14 @@ class ScaleCom(Compressor):
         out["step"] = step
         out["nonfinite_skips"] = self.nonfinite_skips
         out["total"] = self.traffic.total.as_dict()
+        if self._health_steps is not None:
+            out["health"] = self._health_steps.monitor.summary()
         return out
 
     def state_dict(self):
         """Residue memories, step counters and (pipelined) the indices already chosen for the next
-        step, by parameter name, and the configuration. Call it between steps.
+        step, by parameter name, and the configuration; with ``check_every``, ``health``: the checks'
+        results and the fallback's decisions per tensor. Call it between steps.
 
         It waits only for those indices (every rank gave its part of their exchange a step ago), not
         for a receive left open by a tensor that Horovod reduced without ``compress``: only that
@@ -355,7 +389,10 @@ class ScaleCom(Compressor):
             if ahead is not None:
                 entry["next_indices"] = (ahead[0], ahead[1].clone())
             params[s.name] = entry
-        return {"config": self.config.as_dict(), "params": params}
+        state = {"config": self.config.as_dict(), "params": params}
+        if self._health_steps is not None:  # (the checks' results and the fallback's decisions)
+            state["health"] = self._health_steps.monitor.state_dict()
+        return state
 
     def load_state_dict(self, state):
         """Restore what :meth:`state_dict` returned; checks everything before changing anything. A
@@ -385,19 +422,24 @@ class ScaleCom(Compressor):
                 ahead = (t, torch.as_tensor(indices).to(device=param.device, dtype=self._exchange.index_dtype(numel),
                                                         copy=True))
             restored[name] = (memory, scale, ahead)
+        # (a state without "health", or one loaded where check_every is None: fresh checks, none kept)
+        health = None if self._health_steps is None else self._health_steps.loaded(state.get("health"))
         # (before the step counters change: an exchange left open is one for a step now over)
         self._exchange.restore({self._by_name[name]: restored[name][2] for name in params})
         for name, entry in params.items():
             slot = self._by_name[name]
             slot.memory, slot.scale, _ = restored[name]
             slot.step = int(entry["step"])
+        if health is not None:
+            self._health_steps.adopt(health)
         self._lookup.reset()
 
     def resync(self):
         """After a membership change (elastic Horovod): adopt rank 0's step counters, keep this
         rank's residue memory (a new rank starts with zeros; a departed rank's memory is lost, like a
-        dropped gradient), forget index exchanges of the old world (pipelined indices are selected fresh),
-        and compare configurations again at the next ``compress``. Every rank must call it."""
+        dropped gradient), forget index exchanges of the old world (pipelined indices are selected fresh)
+        and the health checks' results (every tensor compressed again), and compare configurations again
+        at the next ``compress``. Every rank must call it."""
         steps = torch.tensor([slot.step for slot in self._slots], dtype=torch.int64)
         kwargs = {} if self._process_set is None else {"process_set": self._process_set}
         root = 0 if self._process_set is None else self._process_set.ranks[0]
@@ -405,6 +447,8 @@ class ScaleCom(Compressor):
         for slot, step in zip(self._slots, steps.tolist()):
             slot.step = step
         self._exchange.forget()  # (Horovod was re-initialised: nothing of the old world is open)
+        if self._health_steps is not None:
+            self._health_steps.reset()  # (every rank forgets its checks: ranks agree again)
         self._lookup.reset()
         self._agreed = False
 
@@ -415,8 +459,11 @@ class ScaleCom(Compressor):
         ``compress``: a mismatch would otherwise hang (different k or names) or diverge silently."""
         if not hvd.is_initialized():
             return  # compress() called outside a Horovod job (nothing to agree with)
+        if self._health_steps is not None:
+            self._health_steps.warn_on(self._size_rank()[1] == 0)  # (one rank warns)
         named_shapes = [(slot.name, tuple(slot.param.shape)) for slot in self._slots]
-        summary = {**self.config.as_dict(), "index_exchange": self.index_exchange, "parameters": len(named_shapes),
+        summary = {**self.config.as_dict(), **self.health.as_dict(), "index_exchange": self.index_exchange,
+                   "parameters": len(named_shapes),
                    "parameter_digest": shapes_digest(named_shapes),
                    "parameter_dtypes": dtype_names(slot.param.dtype for slot in self._slots),
                    "loss_scaler": self._loss_scaler is not None,

@@ -13,6 +13,10 @@ likewise moves only the step of its pipelined next_indices, and ``drop_next_indi
 ``frozen_layer`` adds a layer frozen from the start (in ScaleCom's named_parameters, never reduced).
 ``per_rank`` applies to every option (``dtype`` too; ``no_loss_scaler``: the loss scale schedule
 without ScaleCom's ``loss_scaler``; ``skip_broadcast``: no broadcast_parameters, the seed alone).
+``health``: ScaleCom's health check options (``check_every``, ...); then ``stats/<t>`` is ``stats(step=t)``
+after every step and ``warnings`` the count of health warnings this rank issued. ``same_data_from``: from
+that step on every rank trains on the same data (rank 0's), so that the ranks' gradients agree.
+``resync_at``: at the top of that step every rank calls ``compression.resync()`` (as elastic Horovod's sync).
 """
 
 import copy
@@ -20,6 +24,7 @@ import json
 import os
 import sys
 import time
+import warnings
 
 import horovod.torch as hvd
 import lingering  # (this folder, the script's, is first on sys.path)
@@ -129,7 +134,7 @@ compression = ScaleCom(
     value_dtype=opts.get("value_dtype"), index_dtype=opts.get("index_dtype", "int32"),
     pipelined=opts.get("pipelined", False), index_exchange=opts.get("index_exchange", "allgather"),
     loss_scaler=None if opts.get("no_loss_scaler") else scaler, timeout=opts.get("timeout"),
-    **({} if opts.get("process_set_for_optimizer_only") else set_kwargs))
+    **({} if opts.get("process_set_for_optimizer_only") else set_kwargs), **opts.get("health", {}))
 non_contiguous = [0]  # gradients that reached compress() not contiguous
 if opts.get("transposed_hidden") or opts.get("channels_last"):
     compress_contiguous = compression.compress
@@ -192,7 +197,8 @@ if opts.get("record_indices"):  # I of every compressed step, as decompress rece
     def recording_decompress(tensor, ctx):
         if ctx is not None and not isinstance(ctx, torch.dtype):
             slot, step, indices = ctx[:3]
-            record[f"chosen/{step}/{slot.name}"] = indices.long().sort().values.numpy()
+            if indices is not None:  # (none on a dense fallback step)
+                record[f"chosen/{step}/{slot.name}"] = indices.long().sort().values.numpy()
         return decompress_once(tensor, ctx)
     compression.decompress = recording_decompress
 first_step = opts.get("first_step", 0)
@@ -214,9 +220,12 @@ def commit(t):
 
 
 late = opts.get("late_rank")  # {"rank", "seconds"}: that rank sleeps before its first step
+health_warnings = []
 for t in schedule:
     if late and rank == late["rank"] and t == schedule[0]:
         time.sleep(late["seconds"])
+    if opts.get("resync_at") == t:
+        compression.resync()
     if opts.get("skew_steps_at") == t:  # this rank's step counters jump by one (a state of another step)
         skewed = compression.state_dict()
         for entry in skewed["params"].values():
@@ -237,7 +246,8 @@ for t in schedule:
         snapshot = copy.deepcopy((compression.state_dict(), model.state_dict(), optimizer.state_dict()))
     raw = [torch.zeros_like(p) for p in params]
     for k in range(passes):
-        data_gen = torch.Generator().manual_seed(10000 * t + 100 * k + rank)  # resumable data order
+        data_rank = 0 if t >= opts.get("same_data_from", float("inf")) else rank
+        data_gen = torch.Generator().manual_seed(10000 * t + 100 * k + data_rank)  # resumable data order
         x = torch.randn(16, 48, generator=data_gen).to(params[0].dtype)
         y = torch.randint(0, 10, (16,), generator=data_gen)
         tokens = (torch.randint(0, 50, (16, 3), generator=data_gen)
@@ -303,7 +313,15 @@ for t in schedule:
             with optimizer.skip_synchronize():
                 optimizer.step()
     else:
-        optimizer.step()
+        with warnings.catch_warnings(record=True) as caught:  # (the health check's, issued in synchronize())
+            warnings.simplefilter("always")
+            optimizer.step()
+        health_warnings += [str(w.message) for w in caught if "health check" in str(w.message)]
+        for w in caught:
+            if "health check" not in str(w.message):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if opts.get("health"):
+        record[f"stats/{t}"] = np.array(json.dumps(compression.stats(step=t)))
     record[f"compress_calls/{t}"] = np.array(compress_calls[0])
     compress_calls[0] = 0
     for (name, p), r in zip(named, raw):
@@ -335,6 +353,7 @@ record["stats"] = np.array(json.dumps(compression.stats()))
 if late:
     record["stats/first"] = np.array(json.dumps(compression.stats(step=schedule[0])))
 record["traded"] = np.array(traded[0])
+record["warnings"] = np.array(len(health_warnings))
 record["native"] = np.array(native.library() is not None)  # which path the job's passes could take
 record["non_contiguous"] = np.array(non_contiguous[0])
 record["gloo"] = np.array(hvd.gloo_enabled())  # (the controller the job runs under: --gloo or --mpi)
