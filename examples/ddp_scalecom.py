@@ -24,6 +24,8 @@ from digits_common import (
     digits_split,
     epoch_steps,
     evaluate,
+    health_figures,
+    health_line,
     learning_rate,
     make_model,
     momentum_value,
@@ -79,13 +81,6 @@ class CollectiveBytes:
             self.count += tensor.numel() * tensor.element_size()
             return collective(tensor, *args, **kwargs)
         return call
-
-
-def health_figures(state):
-    """ScaleCom's health check over every parameter (``stats()["health"]`` without ``by_tensor``), or
-    None without ``--check-every``."""
-    health = state.stats().get("health") if isinstance(state, ScaleComState) else None
-    return None if health is None else {k: v for k, v in health.items() if k != "by_tensor"}
 
 
 def register(args, ddp, model):
@@ -158,15 +153,13 @@ def main(argv=None):
         if writer is not None:
             writer.add_scalar("train/loss", mean_loss, global_step)
             writer.add_scalar("test/accuracy", accuracy, global_step)
-        health = health_figures(state)
+        health = health_figures(state.stats()) if isinstance(state, ScaleComState) else None
         if rank == 0:
             print(f"epoch {epoch + 1:3d}/{args.epochs}  loss {mean_loss:.4f}  test accuracy "
                   f"{100 * accuracy:6.2f}%  gradient bytes/step {sent:9,} vs dense {dense_bytes:,} "
                   f"({reduction:5.1f}x fewer over the run)", flush=True)
             if health:
-                print(f"  health check: captured {health.get('captured', 1.0):.3f}, overlap "
-                      f"{health.get('overlap', 1.0):.3f}, {health['dense_tensors']} tensors sent densely now, "
-                      f"{health['checks']} checks and {health['dense_steps']} dense tensor-steps so far", flush=True)
+                print(health_line(health), flush=True)
     if writer is not None:
         writer.close()
     if rank == 0:

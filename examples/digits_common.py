@@ -152,6 +152,20 @@ def add_scalecom_arguments(ap, value_dtypes):
                     help="send a parameter densely while its checks stay low (needs --check-every)")
 
 
+def health_figures(stats):
+    """ScaleCom's health check over every parameter (``stats["health"]`` without ``by_tensor``), or
+    None without ``--check-every``."""
+    health = stats.get("health")
+    return None if health is None else {k: v for k, v in health.items() if k != "by_tensor"}
+
+
+def health_line(health):
+    """One line of :func:`health_figures` for the epoch's report."""
+    return (f"  health check: captured {health.get('captured', 1.0):.3f}, overlap {health.get('overlap', 1.0):.3f}, "
+            f"{health['dense_tensors']} tensors sent densely now, {health['checks']} checks and "
+            f"{health['dense_steps']} dense tensor-steps so far")
+
+
 def check_scalecom_arguments(ap, args):
     """Refuses (``ap.error``) ScaleCom options that do not go together."""
     if args.fallback is not None and args.check_every is None:

@@ -17,10 +17,13 @@ import horovod.torch as hvd
 import torch
 from digits_common import (
     add_scalecom_arguments,
+    check_scalecom_arguments,
     check_trained_with,
     digits_split,
     epoch_steps,
     evaluate,
+    health_figures,
+    health_line,
     learning_rate,
     make_model,
     momentum_value,
@@ -58,11 +61,10 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.resume and not args.checkpoint:
         ap.error("--resume needs --checkpoint DIR")
+    check_scalecom_arguments(ap, args)
+    if args.fallback is not None and args.pipelined:
+        ap.error("--fallback needs exact ScaleCom (without --pipelined)")
     return args
-
-
-
-
 
 
 def main(argv=None):
@@ -81,7 +83,7 @@ def main(argv=None):
                                warmup_steps=args.warmup_steps, min_numel=args.min_numel,
                                leader=args.leader, selection=args.selection,
                                value_dtype=args.value_dtype, index_dtype=args.index_dtype,
-                               pipelined=args.pipelined)
+                               pipelined=args.pipelined, check_every=args.check_every, fallback=args.fallback)
     elif args.compression == "fp16":
         compression = hvd.Compression.fp16
     else:
@@ -132,8 +134,10 @@ def main(argv=None):
                 log_stats(writer, compression, global_step)
         mean_loss = hvd.allreduce(torch.tensor(total_loss / steps_per_epoch), name="epoch_loss").item()
         accuracy = evaluate(model, x_test, y_test)
+        health = None
         if args.compression == "scalecom":
             last, total = compression.stats(), compression.stats()["total"]
+            health = health_figures(last)
             sent = last["sent_bytes"]  # (nothing at all with one process: then 1x)
             reduction = total["uncompressed_bytes"] / total["sent_bytes"] if total["sent_bytes"] else 1.0
         else:
@@ -148,6 +152,8 @@ def main(argv=None):
             print(f"epoch {epoch + 1:3d}/{args.epochs}  loss {mean_loss:.4f}  test accuracy "
                   f"{100 * accuracy:6.2f}%  gradient bytes/step {sent:9,} vs dense {dense_bytes:,} "
                   f"({reduction:5.1f}x fewer over the run)", flush=True)
+            if health:
+                print(health_line(health), flush=True)
     if writer is not None:
         writer.close()
     if rank == 0:
@@ -155,6 +161,8 @@ def main(argv=None):
                   "loss": mean_loss, "sent_bytes_last_step": sent, "dense_bytes_per_step": dense_bytes,
                   "reduction": reduction, "seconds": time.perf_counter() - start,
                   "steps": args.epochs * steps_per_epoch, "epochs": args.epochs}
+        if health:
+            result["health"] = health
         print("result " + json.dumps(result), flush=True)
         if args.result:
             with open(args.result, "w") as f:
@@ -187,8 +195,6 @@ def load_checkpoint(directory, rank, model, optimizer, compression, record, gen)
     if isinstance(compression, ScaleCom):
         compression.load_state_dict(state["compression"])
     return state["epoch"], state["global_step"]
-
-
 
 
 if __name__ == "__main__":

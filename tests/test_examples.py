@@ -186,6 +186,17 @@ def test_bad_example_arguments_are_named(example, arguments, message, request):
     assert code != 0 and message in output, output[-2000:]
 
 
+@pytest.mark.parametrize("example", ["pytorch_scalecom.py"])
+@pytest.mark.parametrize("arguments, message", [
+    (["--fallback", "dense"], "--fallback dense needs --check-every"),
+    (["--check-every", "0"], "argument --check-every: must be a positive integer, got 0"),
+    (["--check-every", "5", "--fallback", "dense", "--pipelined"], "--fallback needs exact ScaleCom"),
+])
+def test_bad_health_check_arguments_are_named(example, arguments, message, request):
+    code, output = bad_argument_outcomes(request, example)[tuple(arguments)]
+    assert code != 0 and message in output, output[-2000:]
+
+
 _BAD_ARGUMENT_OUTCOMES = {}
 
 
@@ -195,7 +206,8 @@ def bad_argument_outcomes(request, example):
     TensorFlow once, not once per list."""
     import subprocess
     import sys
-    if example not in _BAD_ARGUMENT_OUTCOMES:
+    key = (request.node.originalname, example)
+    if key not in _BAD_ARGUMENT_OUTCOMES:
         lists = [item.callspec.params["arguments"] for item in request.session.items
                  if getattr(item, "originalname", None) == request.node.originalname
                  and item.callspec.params["example"] == example]
@@ -203,8 +215,8 @@ def bad_argument_outcomes(request, example):
                                os.path.join(ROOT, "examples", example), json.dumps(lists)],
                               capture_output=True, text=True, timeout=300 + 60 * len(lists))
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-        _BAD_ARGUMENT_OUTCOMES[example] = {tuple(a): (c, o) for a, c, o in json.loads(done.stdout.splitlines()[-1])}
-    return _BAD_ARGUMENT_OUTCOMES[example]
+        _BAD_ARGUMENT_OUTCOMES[key] = {tuple(a): (c, o) for a, c, o in json.loads(done.stdout.splitlines()[-1])}
+    return _BAD_ARGUMENT_OUTCOMES[key]
 
 
 def test_the_demo_explains_its_arguments_and_refuses_compression_and_outputs():
