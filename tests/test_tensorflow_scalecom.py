@@ -21,16 +21,18 @@ def shapes(hidden=64):
 
 
 def check_against_reference(results, opts, steps, rtol=2e-5, atol=1e-6, value_dtype=np.float32,
-                            label="", skip=(), times=1):
+                            label="", skip=(), times=1, health_log=None):
     """Every rank's applied gradients against the reference's (the mean over ranks; ``times`` that:
-    the number of ranks where the tape sums)."""
+    the number of ranks where the tape sums); ``opts["health"]``: the health check's options, whose
+    checks the reference appends to ``health_log``."""
     first = opts.get("first_step", 0)
     grads = [[{n: r[f"{label}raw/{t}/{n}"] for n in NAMES} for r in results]
              for t in range(first, first + steps)]
     applied, memories = scalecom_reference(
         grads, NAMES, len(results), opts.get("ratio", 0.05), opts.get("beta", 0.5),
         opts.get("warmup_steps", 0), opts.get("min_numel", 600), opts.get("leader", "cyclic"),
-        value_dtype=value_dtype, pipelined=opts.get("pipelined", False), skip_memory=skip)
+        value_dtype=value_dtype, pipelined=opts.get("pipelined", False), skip_memory=skip,
+        health_log=health_log, **opts.get("health", {}))
     for t in range(steps):
         for n in NAMES:
             for rank, r in enumerate(results):
@@ -1250,3 +1252,89 @@ def test_nonfinite_gradient_skips_the_memory_update_on_every_rank(horovod_jobs, 
             assert np.isfinite(r[f"final/{n}"]).all()
     check_against_reference(results, opts, steps=6, skip={(3, "hidden.weight"), (3, "out.weight")})
     np.testing.assert_array_equal(results[0]["final/hidden.weight"], results[1]["final/hidden.weight"])
+
+
+# -- the health check and the dense fallback (hvd_scalecom.health) --------------------------------
+# Gradients made to order (tests/workers/tf_model.designed_batch): before step 4 each rank's largest
+# entries are its own, so the leader's top-k carries 0.4-0.8 of the global top-k's energy (below
+# min_captured = 0.9), from step 4 on every rank's are the same (1.0). With one warm-up step and a
+# check every 2 steps: checks at 1 and 3 are low (dense from step 4), at 5 and 7 good (compressed
+# again from step 8), at 9 good. After step 6 (mid-fallback) a new ScaleCom loads the state_dict().
+HEALTH = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "mode": "function", "steps": 10,
+          "designed": {"low_until": 4}, "record_stats": True, "reload_at": 6, "state_round_trip": True,
+          "health": {"check_every": 2, "fallback": "dense", "min_captured": 0.9, "patience": 2}}
+for ranks in (2, 3):
+    tf_run(f"tf_np{ranks}", f"tf_health_np{ranks}", HEALTH,
+           ["test_health_check_and_dense_fallback_match_reference"])
+
+TF_NAMES = {n: n.replace(".", "_") for n in NAMES}  # the worker's tf.Variable names
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_health_check_and_dense_fallback_match_reference(horovod_jobs, ranks):
+    """compressed -> check -> fallback (dense) -> check -> compressed again, on 2 and 3 ranks: applied
+    gradients, memories and stats()["health"] after every step as the reference's, the bytes of check
+    and fallback steps, a state_dict() round trip mid-fallback, and the warning once on rank 0."""
+    opts = HEALTH
+    results = horovod_jobs(f"tf_np{ranks}").completed(f"tf_health_np{ranks}")
+    log = []
+    _, memories = check_against_reference(results, opts, steps=10, health_log=log)
+    check_identical_weights(results)
+    compressed = ["hidden.weight", "out.weight"]
+    assert [(t, name, dense) for t, name, *_, dense in log] == [
+        (t, name, dense) for t, dense in [(1, False), (3, True), (5, True), (7, False), (9, False)]
+        for name in compressed]
+    for rank, r in enumerate(results):
+        np.testing.assert_allclose(r["memory/hidden.weight"], memories[rank]["hidden.weight"], rtol=1e-4, atol=1e-6)
+        # the state saved mid-fallback (after step 5: dense, one good check)
+        saved = json.loads(str(r["reloaded_state"]))
+        assert {n: (e["dense"], e["good"], e["low"], e["checks"], e["dense_steps"]) for n, e in saved.items()} == \
+            {TF_NAMES[n]: (True, 1, 0, 3, 2) for n in compressed}
+
+    # stats()["health"] after every step: each tensor's latest check, as the reference's log
+    for t in range(10):
+        for rank, r in enumerate(results):
+            health = json.loads(str(r[f"stats/{t}"]))["health"]
+            latest = {name: entry for entry in log for name in [entry[1]] if entry[0] <= t}
+            assert set(health["by_tensor"]) == {TF_NAMES[n] for n in latest}, (t, rank)
+            for name, (step, _, hits, k, selected, topk, total, dense) in latest.items():
+                got = health["by_tensor"][TF_NAMES[name]]
+                assert (got["step"], got["dense"], got["checks"]) == \
+                    (step, dense, sum(e[0] <= t and e[1] == name for e in log)), (t, rank, name)
+                assert got["overlap"] == hits / k, (t, rank, name)
+                assert got["captured"] == pytest.approx(selected / topk, rel=1e-5), (t, rank, name)
+                assert got["selected_share"] == pytest.approx(selected / total, rel=1e-5)
+                assert got["topk_share"] == pytest.approx(topk / total, rel=1e-5)
+            assert health["dense_tensors"] == (2 if 3 <= t < 7 else 0)
+            assert health["dense_steps"] == 2 * sum(4 <= s <= 7 for s in range(t + 1))  # fallback, dense checks
+            assert health.get("captured") == (pytest.approx(
+                sum(e[4] for e in latest.values()) / sum(e[5] for e in latest.values()), rel=1e-5) if latest else None)
+
+    # bytes: a check sends p densely as its values (with the indices), a fallback step densely
+    small, big, k, item = 4 * (64 + 10), 3072 + 640, 154 + 32, 4
+    expected = {0: (0, 0, item * (big + k) + small)}  # warm-up (and the k placeholders)
+    for t in range(1, 10):
+        check = t % 2 == 1
+        if 4 <= t <= 6 and not check:  # fallback
+            expected[t] = (0, 0, item * big + small)
+        else:
+            expected[t] = (item * k, item * (big if check else k), small)
+    for r in results:
+        stats = {t: json.loads(str(r[f"stats/{t}"])) for t in range(10)}
+        for t, (index, value, dense) in expected.items():
+            assert (stats[t]["index_bytes"], stats[t]["value_bytes"], stats[t]["dense_bytes"]) == \
+                (index, value, dense), t
+        for last, steps in [(5, range(0, 6)), (9, range(6, 10))]:  # (totals restart at the reload)
+            assert [stats[last]["total"][key] for key in ("index_bytes", "value_bytes", "dense_bytes")] == \
+                [sum(expected[t][i] for t in steps) for i in range(3)], last
+
+    # the warning: once, on rank 0, at the first stats() after the checks stayed low (step 3)
+    for rank, r in enumerate(results):
+        given = {t: list(r[f"warnings/{t}"]) for t in range(10) if len(r[f"warnings/{t}"])}
+        if rank:
+            assert given == {}
+            continue
+        assert list(given) == [3] and len(given[3]) == 1
+        _, _, hits, k, selected, topk, _, _ = next(e for e in log if e[:2] == (3, "hidden.weight"))
+        assert f"for 'hidden_weight' the leader's top-k carried {selected / topk:.2f}" in given[3][0]
+        assert f"(overlap {hits / k:.2f}) at step 3" in given[3][0] and "sent densely" in given[3][0]
