@@ -872,6 +872,13 @@ def test_bad_arguments_name_the_argument(tf_modules):
         (dict(index_dtype=tf.float32), ValueError, "index_dtype"),
         (dict(process_set=0), TypeError, "process_set"),
         (dict(index_exchange="gather"), ValueError, "index_exchange"),
+        (dict(check_every=0), ValueError, "check_every"), (dict(check_every=2.5), TypeError, "check_every"),
+        (dict(fallback="dense"), ValueError, "needs check_every"),
+        (dict(check_every=4, fallback="sparse"), ValueError, "fallback"),
+        (dict(check_every=4, min_captured=1.5), ValueError, "min_captured"),
+        (dict(check_every=4, patience=0), ValueError, "patience"),
+        (dict(check_every=4, fallback="dense", pipelined=True), ValueError,
+         "fallback='dense' does not go with pipelined"),
     ]
     for kwargs, error, word in cases:
         with pytest.raises(error, match=word):
@@ -1338,3 +1345,103 @@ def test_health_check_and_dense_fallback_match_reference(horovod_jobs, ranks):
         _, _, hits, k, selected, topk, _, _ = next(e for e in log if e[:2] == (3, "hidden.weight"))
         assert f"for 'hidden_weight' the leader's top-k carried {selected / topk:.2f}" in given[3][0]
         assert f"(overlap {hits / k:.2f}) at step 3" in given[3][0] and "sent densely" in given[3][0]
+
+
+def test_the_graph_follows_the_health_monitors_rule_and_measures_as_torch():
+    """tensorflow/health.py runs hvd_scalecom.health.next_streaks as graph ops (tf.where): over random
+    sequences of checks it decides as HealthMonitor.record; its measures are torch's, bit for bit
+    (the k-sums in ascending order), ties and fp16 included."""
+    tf = pytest.importorskip("tensorflow")
+    torch = pytest.importorskip("torch")
+    from hvd_scalecom.health import HealthCheck, HealthMonitor, Measures, next_streaks
+    from hvd_scalecom.tensorflow import health as tf_health
+    from hvd_scalecom.torch.health import measure as torch_measure
+
+    for fallback, patience in [("dense", 1), ("dense", 3), (None, 2)]:
+        monitor = HealthMonitor(HealthCheck(check_every=1, fallback=fallback, patience=patience), ["w"], warn=False)
+        rule = tf.function(lambda dense, low, good, is_low, p=patience, f=fallback: next_streaks(
+            dense, low, good, is_low, p, f, tf_health._where))
+        state = (tf.constant(False), tf.constant(0, tf.int64), tf.constant(0, tf.int64))
+        for t, is_low in enumerate(np.random.default_rng(patience).random(60) < 0.5):
+            before = monitor.state_dict()["w"]
+            *state, stays_low = rule(*state, tf.constant(bool(is_low)))
+            monitor.record("w", t, Measures(1, 1, 0.1 if is_low else 0.9, 1.0, 1.0))
+            entry = monitor.state_dict()["w"]
+            assert (bool(state[0]), int(state[1]), int(state[2])) == (entry["dense"], entry["low"], entry["good"])
+            # (HealthMonitor warns where its checks stay low: patience low ones in a row while compressed)
+            assert bool(stays_low) == (not before["dense"] and bool(is_low) and before["low"] + 1 >= patience)
+
+    rng = np.random.default_rng(0)
+    for numel, k, dtype in [(3000, 150, np.float32), (1000, 10, np.float16), (500, 25, np.float32)]:
+        reduced = rng.standard_normal(numel).astype(dtype)
+        if numel == 500:
+            reduced = np.round(reduced)  # many ties at the k-th magnitude
+        indices = rng.permutation(numel)[:k].astype(np.int32)
+        got = [x.numpy() for x in tf_health.measure(tf.constant(reduced), tf.constant(indices), k, numel)]
+        want = torch_measure(torch.from_numpy(reduced.astype(np.float32) if dtype == np.float16 else reduced)
+                             .to(torch.float16 if dtype == np.float16 else torch.float32), torch.from_numpy(indices), k)
+        assert (int(got[0]), float(got[1]), float(got[2])) == (want.hits, want.selected, want.topk)
+        assert float(got[3]) == pytest.approx(want.total, rel=1e-12)
+
+
+def test_the_health_state_saves_restores_and_is_checked_first(tf_modules):
+    """state_dict() holds "health" with check_every only (stats() too); load_state_dict checks it before
+    changing anything, and a state without one starts the checks afresh."""
+    tf, ScaleCom = tf_modules
+    variables = [tf.Variable(tf.zeros([40, 30]), name="w"), tf.Variable(tf.zeros([5]), name="b")]
+    plain = ScaleCom(variables, min_numel=100)
+    assert "health" not in plain.state_dict() and "health" not in plain.stats()
+    checked = ScaleCom(variables, min_numel=100, check_every=4, fallback="dense")
+    state = checked.state_dict()
+    fresh = {"step": None, "measures": None, "low": 0, "good": 0, "dense": False, "checks": 0, "dense_steps": 0}
+    assert state["health"] == {"w": fresh}  # (the compressed variables)
+    assert checked.stats()["health"] == {"checks": 0, "dense_steps": 0, "dense_tensors": 0, "by_tensor": {}}
+    measures = {"hits": 7, "k": 12, "selected": 1.0, "topk": 2.0, "total": 4.0}
+    mid_fallback = {"w": {**fresh, "step": 9, "measures": measures, "good": 1, "dense": True, "checks": 4,
+                          "dense_steps": 3}}
+    for bad, words in [({"x": fresh}, "an entry for each of \\['w'\\]"),
+                       ({"w": {**fresh, "dense": 1}}, "'w' is malformed: dense must be a bool"),
+                       ({"w": {**fresh, "low": -1}}, "'w' is malformed")]:
+        with pytest.raises(ValueError, match=words):
+            checked.load_state_dict({**state, "health": bad,
+                                     "params": {n: {**e, "step": 10} for n, e in state["params"].items()}})
+        assert [int(s.numpy()) for s in checked.steps] == [0, 0]  # nothing changed
+    checked.load_state_dict({**state, "health": mid_fallback})
+    assert checked.state_dict()["health"] == mid_fallback
+    summary = checked.stats()["health"]
+    assert (summary["dense_tensors"], summary["checks"], summary["dense_steps"]) == (1, 4, 3)
+    assert summary["by_tensor"]["w"] == {"step": 9, "overlap": 7 / 12, "captured": 0.5, "selected_share": 0.25,
+                                         "topk_share": 0.5, "dense": True, "checks": 4}
+    checked.load_state_dict(plain.state_dict())  # (no "health": fresh)
+    assert checked.state_dict()["health"] == {"w": fresh}
+
+
+def test_a_checkpoint_carries_the_fallback_and_eager_steps_follow_it():
+    """One rank, eager compress/decompress: a state loaded mid-fallback sends the variable densely (a
+    check while dense returns it to compressed steps with patience=1); tf.train.Checkpoint saves the
+    health state with the steps and restores it."""
+    code = ("import json, numpy as np, tensorflow as tf, horovod.tensorflow as hvd\n"
+            "from hvd_scalecom.tensorflow import ScaleCom\n"
+            "hvd.init()\n"
+            "compression = ScaleCom([tf.Variable(tf.zeros([2000]), name='w')], ratio=0.05, min_numel=100,\n"
+            "                       warmup_steps=1, check_every=3, fallback='dense', patience=1)\n"
+            "state = compression.state_dict()\n"
+            "state['health']['w'].update(dense=True, good=0)\n"
+            "state['params']['w']['step'] = 2  # (checks at steps 1, 4, 7)\n"
+            "compression.load_state_dict(state)\n"
+            "checkpoint = tf.train.Checkpoint(compression=compression)\n"
+            "path = checkpoint.write(__import__('tempfile').mkdtemp() + '/ckpt')\n"
+            "density = []\n"
+            "for t in range(2, 8):\n"
+            "    grad = tf.constant(np.random.default_rng(t).standard_normal(2000), tf.float32)\n"
+            "    out = compression.decompress(*compression.compress(grad))\n"
+            "    density.append(round(float(np.count_nonzero(out.numpy())) / 2000, 3))\n"
+            "health = compression.stats()['health']\n"
+            "print('RUN', density, health['dense_steps'], health['dense_tensors'], health['checks'])\n"
+            "checkpoint.read(path).assert_consumed()\n"
+            "health = compression.stats()['health']\n"
+            "print('RESTORED', health['dense_steps'], health['dense_tensors'], health['checks'],\n"
+            "      [int(s) for s in compression.steps])\n")
+    # steps 2, 3 fallback (dense); 4 a check while dense (dense), good: compressed from 5; 7 a check
+    assert one_rank(code, "RUN ", "RESTORED ") == ["RUN [1.0, 1.0, 1.0, 0.05, 0.05, 0.05] 3 0 2",
+                                                   "RESTORED 0 1 0 [2]"]

@@ -11,6 +11,7 @@ warning.
 
 import warnings
 
+import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvd_scalecom.health import HealthMonitor, Measures, next_streaks, warning_text
@@ -197,7 +198,7 @@ class HealthGraph:
     def _health_warn(self):
         """Warn once per ScaleCom, on the process set's rank 0, when some variable's checks first stayed
         low (the earliest such check; Python-side, so from ``stats()`` between steps)."""
-        if self._health_warned or not (self._process_set.included() and self._process_set.rank() == 0):
+        if self._health_warned:
             return
         alarms = []
         for slot in self._checked_slots():
@@ -205,7 +206,8 @@ class HealthGraph:
             if counts["alarm_step"] >= 0:
                 alarms.append((counts["alarm_step"], slot.index, slot.name, Measures(
                     counts["alarm_hits"], slot.k, sums["alarm_selected"], sums["alarm_topk"], sums["alarm_total"])))
-        if alarms:
+        leads = not hvd.is_initialized() or self._process_set.included() and self._process_set.rank() == 0
+        if alarms and leads:
             self._health_warned = True
             step, _, name, measures = min(alarms, key=lambda a: a[:2])
             warnings.warn(warning_text(name, step, measures, self.health), stacklevel=3)
