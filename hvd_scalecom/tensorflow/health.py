@@ -210,7 +210,7 @@ class HealthGraph:
         if alarms and leads:
             self._health_warned = True
             step, _, name, measures = min(alarms, key=lambda a: a[:2])
-            warnings.warn(warning_text(name, step, measures, self.health), stacklevel=3)
+            warnings.warn(warning_text(name, step, measures, self.health), stacklevel=4)  # (stats()'s caller)
 
     def _health_stats(self, this_step, total, step):
         """``stats()``'s bytes of check and fallback steps (a check sends ``p`` densely as its values,
