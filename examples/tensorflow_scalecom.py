@@ -59,6 +59,12 @@ def parse_args(argv=None):
     ap.add_argument("--value-dtype", choices=["float32", "float16"], default=None)
     ap.add_argument("--index-exchange", choices=["broadcast", "allreduce", "allgather"], default="broadcast")
     ap.add_argument("--pipelined", action="store_true", help="indices selected one step ahead")
+    ap.add_argument("--check-every", type=positive_int, default=None,
+                    help="the health check: one compressed step in N of each tensor is sent densely and "
+                         "measures how much of the global top-k's energy ScaleCom's indices carried")
+    ap.add_argument("--fallback", choices=["dense"], default=None,
+                    help="send a tensor densely while its checks stay below --min-captured")
+    ap.add_argument("--min-captured", type=fraction, default=0.5)
     ap.add_argument("--epochs", type=positive_int, default=25)
     # batch 16 and lr 0.0125 per worker (0.05 at 4 workers): at ratio 0.01 the residue memory sends
     # held-back gradient in bursts that momentum 0.9 amplifies, and 0.2 at 4 workers diverged; the
@@ -113,7 +119,8 @@ def main(argv=None):
                                warmup_steps=args.warmup_steps, min_numel=args.min_numel,
                                leader=args.leader, selection=args.selection,
                                value_dtype=args.value_dtype, index_exchange=args.index_exchange,
-                               pipelined=args.pipelined)
+                               pipelined=args.pipelined, check_every=args.check_every,
+                               fallback=args.fallback, min_captured=args.min_captured)
     elif args.compression == "fp16":
         compression = hvd.Compression.fp16
     else:
@@ -180,10 +187,14 @@ def main(argv=None):
             reduction = total["uncompressed_bytes"] / total["sent_bytes"] if total["sent_bytes"] else 1.0
         else:
             sent, reduction = sent_by_dtype, dense_bytes / sent_by_dtype
+        health = last.get("health") if args.compression == "scalecom" else None
         if rank == 0:
+            checks = "" if not health or "captured" not in health else (
+                f"  captured {health['captured']:.2f} overlap {health['overlap']:.2f} "
+                f"dense tensors {health['dense_tensors']}")
             print(f"epoch {epoch + 1:3d}/{args.epochs}  loss {mean_loss:.4f}  test accuracy "
                   f"{100 * accuracy:6.2f}%  gradient bytes/step {sent:9,} vs dense {dense_bytes:,} "
-                  f"({reduction:5.1f}x fewer over the run)", flush=True)
+                  f"({reduction:5.1f}x fewer over the run){checks}", flush=True)
         epoch_done.assign(epoch + 1)
         if manager is not None:
             manager.save(checkpoint_number=epoch + 1)
@@ -194,6 +205,8 @@ def main(argv=None):
                   "epochs": int(epoch_done),
                   "weights_l2": float(np.sqrt(sum(np.sum(np.square(v.numpy()))
                                                   for v in model.trainable_variables)))}
+        if health:
+            result["health"] = {key: value for key, value in health.items() if key != "by_tensor"}
         print("result " + json.dumps(result), flush=True)
         if args.result:
             with open(args.result, "w") as f:

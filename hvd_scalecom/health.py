@@ -140,19 +140,13 @@ class HealthMonitor:
             return False
         entry.step, entry.measures = step, measures
         entry.checks += 1
-        low = measures.captured < self.health.min_captured
-        patience = self.health.patience
-        changed = False
-        if entry.dense:
-            entry.good = 0 if low else entry.good + 1
-            if entry.good >= patience:
-                entry.dense, entry.good, changed = False, 0, True
-        else:
-            entry.low = entry.low + 1 if low else 0
-            if entry.low >= patience:
-                self._warn_once(name, step)
-                if self.health.fallback == "dense":
-                    entry.dense, entry.low, changed = True, 0, True
+        was_dense = entry.dense
+        entry.dense, entry.low, entry.good, stays_low = next_streaks(
+            entry.dense, entry.low, entry.good, measures.captured < self.health.min_captured,
+            self.health.patience, self.health.fallback)
+        if stays_low:
+            self._warn_once(name, step)
+        changed = entry.dense != was_dense
         return changed
 
     def summary(self):
@@ -176,16 +170,7 @@ class HealthMonitor:
         if self._warned or not self._warn:
             return
         self._warned = True
-        m = self._tensors[name].measures
-        action = ("it is sent densely until its checks recover" if self.health.fallback == "dense" else
-                  "pass fallback='dense' to send such tensors densely until they recover")
-        warnings.warn(
-            f"ScaleCom's health check: for {name!r} the leader's top-k carried {m.captured:.2f} of the energy "
-            f"the global top-k would (overlap {m.overlap:.2f}) at step {step}, below min_captured="
-            f"{self.health.min_captured} for {self.health.patience} checks in a row: the workers' largest "
-            f"entries differ, so ScaleCom's indices miss the sum's. {action.capitalize()}; a larger ratio, "
-            f"a longer warm-up or a lower learning rate may help (docs/convergence.md). (Warned once; "
-            f"stats()['health'] has every tensor's figures.)", stacklevel=3)
+        warnings.warn(warning_text(name, step, self._tensors[name].measures, self.health), stacklevel=3)
 
     def state_dict(self):
         return {name: {"step": e.step, "measures": None if e.measures is None else dataclasses.asdict(e.measures),
@@ -212,6 +197,41 @@ class HealthMonitor:
                 raise ValueError(f"health state of {name!r} is malformed: {error}") from None
             restored[name] = entry
         self._tensors = restored
+
+
+def _choose(condition, if_true, if_false):
+    return if_true if condition else if_false
+
+
+def next_streaks(dense, low, good, is_low, patience, fallback, choose=_choose):
+    """The fallback's rule for one finite check (``is_low``: ``captured < min_captured``): the tensor's
+    ``(dense, low, good)`` after it, and whether its checks now stay low (``patience`` low ones in a row
+    while compressed: the warning). While compressed, low checks in a row fall back (``fallback="dense"``)
+    at ``patience``; while dense, good checks in a row return at ``patience``; each resets the other.
+
+    ``choose(condition, if_true, if_false)`` is Python's conditional by default; the TensorFlow frontend
+    passes ``tf.where`` and runs the same rule as graph ops on its per-tensor variables."""
+    low_after = choose(is_low, low + 1, 0)
+    good_after = choose(is_low, 0, good + 1)
+    stays_low = low_after >= patience  # (while compressed)
+    recovers = good_after >= patience  # (while dense)
+    falls_back = stays_low if fallback == "dense" else False
+    return (choose(dense, choose(recovers, False, True), falls_back),
+            choose(dense, low, choose(falls_back, 0, low_after)),
+            choose(dense, choose(recovers, 0, good_after), good),
+            choose(dense, False, stays_low))
+
+
+def warning_text(name, step, measures, health):
+    """The warning when tensor ``name``'s checks stay low (its check at ``step`` gave ``measures``)."""
+    action = ("it is sent densely until its checks recover" if health.fallback == "dense" else
+              "pass fallback='dense' to send such tensors densely until they recover")
+    return (f"ScaleCom's health check: for {name!r} the leader's top-k carried {measures.captured:.2f} of the "
+            f"energy the global top-k would (overlap {measures.overlap:.2f}) at step {step}, below min_captured="
+            f"{health.min_captured} for {health.patience} checks in a row: the workers' largest "
+            f"entries differ, so ScaleCom's indices miss the sum's. {action.capitalize()}; a larger ratio, "
+            f"a longer warm-up or a lower learning rate may help (docs/convergence.md). (Warned once; "
+            f"stats()['health'] has every tensor's figures.)")
 
 
 def _scalars(m):

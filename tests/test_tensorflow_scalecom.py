@@ -21,16 +21,18 @@ def shapes(hidden=64):
 
 
 def check_against_reference(results, opts, steps, rtol=2e-5, atol=1e-6, value_dtype=np.float32,
-                            label="", skip=(), times=1):
+                            label="", skip=(), times=1, health_log=None):
     """Every rank's applied gradients against the reference's (the mean over ranks; ``times`` that:
-    the number of ranks where the tape sums)."""
+    the number of ranks where the tape sums); ``opts["health"]``: the health check's options, whose
+    checks the reference appends to ``health_log``."""
     first = opts.get("first_step", 0)
     grads = [[{n: r[f"{label}raw/{t}/{n}"] for n in NAMES} for r in results]
              for t in range(first, first + steps)]
     applied, memories = scalecom_reference(
         grads, NAMES, len(results), opts.get("ratio", 0.05), opts.get("beta", 0.5),
         opts.get("warmup_steps", 0), opts.get("min_numel", 600), opts.get("leader", "cyclic"),
-        value_dtype=value_dtype, pipelined=opts.get("pipelined", False), skip_memory=skip)
+        value_dtype=value_dtype, pipelined=opts.get("pipelined", False), skip_memory=skip,
+        health_log=health_log, **opts.get("health", {}))
     for t in range(steps):
         for n in NAMES:
             for rank, r in enumerate(results):
@@ -870,6 +872,13 @@ def test_bad_arguments_name_the_argument(tf_modules):
         (dict(index_dtype=tf.float32), ValueError, "index_dtype"),
         (dict(process_set=0), TypeError, "process_set"),
         (dict(index_exchange="gather"), ValueError, "index_exchange"),
+        (dict(check_every=0), ValueError, "check_every"), (dict(check_every=2.5), TypeError, "check_every"),
+        (dict(fallback="dense"), ValueError, "needs check_every"),
+        (dict(check_every=4, fallback="sparse"), ValueError, "fallback"),
+        (dict(check_every=4, min_captured=1.5), ValueError, "min_captured"),
+        (dict(check_every=4, patience=0), ValueError, "patience"),
+        (dict(check_every=4, fallback="dense", pipelined=True), ValueError,
+         "fallback='dense' does not go with pipelined"),
     ]
     for kwargs, error, word in cases:
         with pytest.raises(error, match=word):
@@ -1250,3 +1259,189 @@ def test_nonfinite_gradient_skips_the_memory_update_on_every_rank(horovod_jobs, 
             assert np.isfinite(r[f"final/{n}"]).all()
     check_against_reference(results, opts, steps=6, skip={(3, "hidden.weight"), (3, "out.weight")})
     np.testing.assert_array_equal(results[0]["final/hidden.weight"], results[1]["final/hidden.weight"])
+
+
+# -- the health check and the dense fallback (hvd_scalecom.health) --------------------------------
+# Gradients made to order (tests/workers/tf_model.designed_batch): before step 4 each rank's largest
+# entries are its own, so the leader's top-k carries 0.4-0.8 of the global top-k's energy (below
+# min_captured = 0.9), from step 4 on every rank's are the same (1.0). With one warm-up step and a
+# check every 2 steps: checks at 1 and 3 are low (dense from step 4), at 5 and 7 good (compressed
+# again from step 8), at 9 good. After step 6 (mid-fallback) a new ScaleCom loads the state_dict().
+HEALTH = {"ratio": 0.05, "beta": 0.5, "warmup_steps": 1, "min_numel": 600, "mode": "function", "steps": 10,
+          "designed": {"low_until": 4}, "record_stats": True, "reload_at": 6, "state_round_trip": True,
+          "health": {"check_every": 2, "fallback": "dense", "min_captured": 0.9, "patience": 2}}
+for ranks in (2, 3):
+    tf_run(f"tf_np{ranks}", f"tf_health_np{ranks}", HEALTH,
+           ["test_health_check_and_dense_fallback_match_reference"])
+
+TF_NAMES = {n: n.replace(".", "_") for n in NAMES}  # the worker's tf.Variable names
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_health_check_and_dense_fallback_match_reference(horovod_jobs, ranks):
+    """compressed -> check -> fallback (dense) -> check -> compressed again, on 2 and 3 ranks: applied
+    gradients, memories and stats()["health"] after every step as the reference's, the bytes of check
+    and fallback steps, a state_dict() round trip mid-fallback, and the warning once on rank 0."""
+    opts = HEALTH
+    results = horovod_jobs(f"tf_np{ranks}").completed(f"tf_health_np{ranks}")
+    log = []
+    _, memories = check_against_reference(results, opts, steps=10, health_log=log)
+    check_identical_weights(results)
+    compressed = ["hidden.weight", "out.weight"]
+    assert [(t, name, dense) for t, name, *_, dense in log] == [
+        (t, name, dense) for t, dense in [(1, False), (3, True), (5, True), (7, False), (9, False)]
+        for name in compressed]
+    for rank, r in enumerate(results):
+        np.testing.assert_allclose(r["memory/hidden.weight"], memories[rank]["hidden.weight"], rtol=1e-4, atol=1e-6)
+        # the state saved mid-fallback (after step 5: dense, one good check)
+        saved = json.loads(str(r["reloaded_state"]))
+        assert {n: (e["dense"], e["good"], e["low"], e["checks"], e["dense_steps"]) for n, e in saved.items()} == \
+            {TF_NAMES[n]: (True, 1, 0, 3, 2) for n in compressed}
+
+    # stats()["health"] after every step: each tensor's latest check, as the reference's log
+    for t in range(10):
+        for rank, r in enumerate(results):
+            health = json.loads(str(r[f"stats/{t}"]))["health"]
+            latest = {name: entry for entry in log for name in [entry[1]] if entry[0] <= t}
+            assert set(health["by_tensor"]) == {TF_NAMES[n] for n in latest}, (t, rank)
+            for name, (step, _, hits, k, selected, topk, total, dense) in latest.items():
+                got = health["by_tensor"][TF_NAMES[name]]
+                assert (got["step"], got["dense"], got["checks"]) == \
+                    (step, dense, sum(e[0] <= t and e[1] == name for e in log)), (t, rank, name)
+                assert got["overlap"] == hits / k, (t, rank, name)
+                assert got["captured"] == pytest.approx(selected / topk, rel=1e-5), (t, rank, name)
+                assert got["selected_share"] == pytest.approx(selected / total, rel=1e-5)
+                assert got["topk_share"] == pytest.approx(topk / total, rel=1e-5)
+            assert health["dense_tensors"] == (2 if 3 <= t < 7 else 0)
+            assert health["dense_steps"] == 2 * sum(4 <= s <= 7 for s in range(t + 1))  # fallback, dense checks
+            assert health.get("captured") == (pytest.approx(
+                sum(e[4] for e in latest.values()) / sum(e[5] for e in latest.values()), rel=1e-5) if latest else None)
+
+    # bytes: a check sends p densely as its values (with the indices), a fallback step densely
+    small, big, k, item = 4 * (64 + 10), 3072 + 640, 154 + 32, 4
+    expected = {0: (0, 0, item * (big + k) + small)}  # warm-up (and the k placeholders)
+    for t in range(1, 10):
+        check = t % 2 == 1
+        if 4 <= t <= 6 and not check:  # fallback
+            expected[t] = (0, 0, item * big + small)
+        else:
+            expected[t] = (item * k, item * (big if check else k), small)
+    for r in results:
+        stats = {t: json.loads(str(r[f"stats/{t}"])) for t in range(10)}
+        for t, (index, value, dense) in expected.items():
+            assert (stats[t]["index_bytes"], stats[t]["value_bytes"], stats[t]["dense_bytes"]) == \
+                (index, value, dense), t
+        for last, steps in [(5, range(0, 6)), (9, range(6, 10))]:  # (totals restart at the reload)
+            assert [stats[last]["total"][key] for key in ("index_bytes", "value_bytes", "dense_bytes")] == \
+                [sum(expected[t][i] for t in steps) for i in range(3)], last
+
+    # the warning: once, on rank 0, at the first stats() after the checks stayed low (step 3)
+    for rank, r in enumerate(results):
+        given = {t: list(r[f"warnings/{t}"]) for t in range(10) if len(r[f"warnings/{t}"])}
+        if rank:
+            assert given == {}
+            continue
+        assert list(given) == [3] and len(given[3]) == 1
+        _, _, hits, k, selected, topk, _, _ = next(e for e in log if e[:2] == (3, "hidden.weight"))
+        assert f"for 'hidden_weight' the leader's top-k carried {selected / topk:.2f}" in given[3][0]
+        assert f"(overlap {hits / k:.2f}) at step 3" in given[3][0] and "sent densely" in given[3][0]
+
+
+def test_the_graph_follows_the_health_monitors_rule_and_measures_as_torch():
+    """tensorflow/health.py runs hvd_scalecom.health.next_streaks as graph ops (tf.where): over random
+    sequences of checks it decides as HealthMonitor.record; its measures are torch's, bit for bit
+    (the k-sums in ascending order), ties and fp16 included."""
+    tf = pytest.importorskip("tensorflow")
+    torch = pytest.importorskip("torch")
+    from hvd_scalecom.health import HealthCheck, HealthMonitor, Measures, next_streaks
+    from hvd_scalecom.tensorflow import health as tf_health
+    from hvd_scalecom.torch.health import measure as torch_measure
+
+    for fallback, patience in [("dense", 1), ("dense", 3), (None, 2)]:
+        monitor = HealthMonitor(HealthCheck(check_every=1, fallback=fallback, patience=patience), ["w"], warn=False)
+        rule = tf.function(lambda dense, low, good, is_low, p=patience, f=fallback: next_streaks(
+            dense, low, good, is_low, p, f, tf_health._where))
+        state = (tf.constant(False), tf.constant(0, tf.int64), tf.constant(0, tf.int64))
+        for t, is_low in enumerate(np.random.default_rng(patience).random(60) < 0.5):
+            before = monitor.state_dict()["w"]
+            *state, stays_low = rule(*state, tf.constant(bool(is_low)))
+            monitor.record("w", t, Measures(1, 1, 0.1 if is_low else 0.9, 1.0, 1.0))
+            entry = monitor.state_dict()["w"]
+            assert (bool(state[0]), int(state[1]), int(state[2])) == (entry["dense"], entry["low"], entry["good"])
+            # (HealthMonitor warns where its checks stay low: patience low ones in a row while compressed)
+            assert bool(stays_low) == (not before["dense"] and bool(is_low) and before["low"] + 1 >= patience)
+
+    rng = np.random.default_rng(0)
+    for numel, k, dtype in [(3000, 150, np.float32), (1000, 10, np.float16), (500, 25, np.float32)]:
+        reduced = rng.standard_normal(numel).astype(dtype)
+        if numel == 500:
+            reduced = np.round(reduced)  # many ties at the k-th magnitude
+        indices = rng.permutation(numel)[:k].astype(np.int32)
+        got = [x.numpy() for x in tf_health.measure(tf.constant(reduced), tf.constant(indices), k, numel)]
+        want = torch_measure(torch.from_numpy(reduced.astype(np.float32) if dtype == np.float16 else reduced)
+                             .to(torch.float16 if dtype == np.float16 else torch.float32), torch.from_numpy(indices), k)
+        assert (int(got[0]), float(got[1]), float(got[2])) == (want.hits, want.selected, want.topk)
+        assert float(got[3]) == pytest.approx(want.total, rel=1e-12)
+
+
+def test_the_health_state_saves_restores_and_is_checked_first(tf_modules):
+    """state_dict() holds "health" with check_every only (stats() too); load_state_dict checks it before
+    changing anything, and a state without one starts the checks afresh."""
+    tf, ScaleCom = tf_modules
+    variables = [tf.Variable(tf.zeros([40, 30]), name="w"), tf.Variable(tf.zeros([5]), name="b")]
+    plain = ScaleCom(variables, min_numel=100)
+    assert "health" not in plain.state_dict() and "health" not in plain.stats()
+    checked = ScaleCom(variables, min_numel=100, check_every=4, fallback="dense")
+    state = checked.state_dict()
+    fresh = {"step": None, "measures": None, "low": 0, "good": 0, "dense": False, "checks": 0, "dense_steps": 0}
+    assert state["health"] == {"w": fresh}  # (the compressed variables)
+    assert checked.stats()["health"] == {"checks": 0, "dense_steps": 0, "dense_tensors": 0, "by_tensor": {}}
+    measures = {"hits": 7, "k": 12, "selected": 1.0, "topk": 2.0, "total": 4.0}
+    mid_fallback = {"w": {**fresh, "step": 9, "measures": measures, "good": 1, "dense": True, "checks": 4,
+                          "dense_steps": 3}}
+    for bad, words in [({"x": fresh}, "an entry for each of \\['w'\\]"),
+                       ({"w": {**fresh, "dense": 1}}, "'w' is malformed: dense must be a bool"),
+                       ({"w": {**fresh, "low": -1}}, "'w' is malformed")]:
+        with pytest.raises(ValueError, match=words):
+            checked.load_state_dict({**state, "health": bad,
+                                     "params": {n: {**e, "step": 10} for n, e in state["params"].items()}})
+        assert [int(s.numpy()) for s in checked.steps] == [0, 0]  # nothing changed
+    checked.load_state_dict({**state, "health": mid_fallback})
+    assert checked.state_dict()["health"] == mid_fallback
+    summary = checked.stats()["health"]
+    assert (summary["dense_tensors"], summary["checks"], summary["dense_steps"]) == (1, 4, 3)
+    assert summary["by_tensor"]["w"] == {"step": 9, "overlap": 7 / 12, "captured": 0.5, "selected_share": 0.25,
+                                         "topk_share": 0.5, "dense": True, "checks": 4}
+    checked.load_state_dict(plain.state_dict())  # (no "health": fresh)
+    assert checked.state_dict()["health"] == {"w": fresh}
+
+
+def test_a_checkpoint_carries_the_fallback_and_eager_steps_follow_it():
+    """One rank, eager compress/decompress: a state loaded mid-fallback sends the variable densely (a
+    check while dense returns it to compressed steps with patience=1); tf.train.Checkpoint saves the
+    health state with the steps and restores it."""
+    code = ("import json, numpy as np, tensorflow as tf, horovod.tensorflow as hvd\n"
+            "from hvd_scalecom.tensorflow import ScaleCom\n"
+            "hvd.init()\n"
+            "compression = ScaleCom([tf.Variable(tf.zeros([2000]), name='w')], ratio=0.05, min_numel=100,\n"
+            "                       warmup_steps=1, check_every=3, fallback='dense', patience=1)\n"
+            "state = compression.state_dict()\n"
+            "state['health']['w'].update(dense=True, good=0)\n"
+            "state['params']['w']['step'] = 2  # (checks at steps 1, 4, 7)\n"
+            "compression.load_state_dict(state)\n"
+            "checkpoint = tf.train.Checkpoint(compression=compression)\n"
+            "path = checkpoint.write(__import__('tempfile').mkdtemp() + '/ckpt')\n"
+            "density = []\n"
+            "for t in range(2, 8):\n"
+            "    grad = tf.constant(np.random.default_rng(t).standard_normal(2000), tf.float32)\n"
+            "    out = compression.decompress(*compression.compress(grad))\n"
+            "    density.append(round(float(np.count_nonzero(out.numpy())) / 2000, 3))\n"
+            "health = compression.stats()['health']\n"
+            "print('RUN', density, health['dense_steps'], health['dense_tensors'], health['checks'])\n"
+            "checkpoint.read(path).assert_consumed()\n"
+            "health = compression.stats()['health']\n"
+            "print('RESTORED', health['dense_steps'], health['dense_tensors'], health['checks'],\n"
+            "      [int(s) for s in compression.steps])\n")
+    # steps 2, 3 fallback (dense); 4 a check while dense (dense), good: compressed from 5; 7 a check
+    assert one_rank(code, "RUN ", "RESTORED ") == ["RUN [1.0, 1.0, 1.0, 0.05, 0.05, 0.05] 3 0 2",
+                                                   "RESTORED 0 1 0 [2]"]

@@ -31,7 +31,10 @@ class StateAndStatistics:
         object was built
         (or last loaded by ``load_state_dict``; a ``tf.train.Checkpoint`` restore brings back the saved
         run's tallies with its steps). Bytes follow from the configuration and the step counters; during warm-up
-        ``dense_bytes`` also counts the k zero values Horovod's allreduce carries.
+        ``dense_bytes`` also counts the k zero values Horovod's allreduce carries. With ``check_every``,
+        ``health`` is :meth:`hvd_scalecom.health.HealthMonitor.summary` (a check step sends ``p``
+        densely as its ``value_bytes``; a fallback step as ``dense_bytes``, with no index bytes), and
+        this rank 0 of the process set warns once when a variable's checks stay low.
         """
         done = [int(s.step.numpy()) for s in self._slots]
         tallies = [s.tally.numpy() for s in self._slots]  # (dense, compressed) steps counted
@@ -62,10 +65,13 @@ class StateAndStatistics:
                 total.index_bytes += fresh_count * self._index_bytes(slot)
             total.compress_seconds += float(timing[TIMING_STEPS, 0])
             total.index_wait_seconds += float(timing[TIMING_STEPS, 1])
+        health = self._health_stats(this_step, total, step) if self.health.enabled else None
         out = this_step.as_dict()
         out["step"] = step
         out["nonfinite_skips"] = sum(int(s.nonfinite.numpy()) for s in self._slots)
         out["total"] = total.as_dict()
+        if health is not None:
+            out["health"] = health
         return out
 
     def _index_bytes(self, slot):
@@ -90,13 +96,17 @@ class StateAndStatistics:
             if s.ahead_step is not None and int(s.ahead_step.numpy()) == step:
                 entry["next_indices"] = (step, s.next_indices.numpy().copy())
             params[s.name] = entry
-        return {"config": self.config.as_dict(), "params": params}
+        state = {"config": self.config.as_dict(), "params": params}
+        if self.health.enabled:
+            state["health"] = self._health_state()
+        return state
 
     def load_state_dict(self, state):
         """Restore what :meth:`state_dict` returned; checks everything before changing anything.
 
         A memory of ``None`` for a compressible variable (a state saved before its first compressed
-        step by the PyTorch frontend) restores zeros.
+        step by the PyTorch frontend) restores zeros. With ``check_every``, the health check's state
+        (``"health"``) is restored too; a state without one starts it afresh.
         """
         params = checked_params(state, "ScaleCom", self.config.as_dict(), self._by_name, "variables")
         steps = {name: int(entry["step"]) for name, entry in params.items()}
@@ -125,6 +135,7 @@ class StateAndStatistics:
             if "next_indices" in entry:
                 ahead[name] = check_next_indices(name, entry["next_indices"], slot.k, slot.numel,
                                                  self.config.pipelined and slot.compressible, steps[name])
+        health = self._checked_health_state(state) if self.health.enabled else None
         for name in params:
             slot = self._by_name[name]
             slot.step.assign(steps[name])
@@ -141,6 +152,8 @@ class StateAndStatistics:
                 if indices is not None:
                     slot.next_indices.assign(indices.astype(slot.next_indices.dtype.as_numpy_dtype))
                 slot.ahead_step.assign(step)
+        if health is not None:
+            self._load_health(health)
         self._forget_step()
 
     def _forget_step(self):

@@ -27,9 +27,11 @@ from tensorflow.python.ops import control_flow_util
 
 from hvd_scalecom import agreement
 from hvd_scalecom.config import HOROVOD_VALUE_DTYPES, INDEX_DTYPES, ScaleComConfig, check_dtype_name
+from hvd_scalecom.health import HealthCheck
 from hvd_scalecom.tensorflow import clt_k
 from hvd_scalecom.tensorflow.gradient_matching import GradientMatching
 from hvd_scalecom.tensorflow.graph import graph_of, stamp
+from hvd_scalecom.tensorflow.health import HealthGraph, SlotHealth
 from hvd_scalecom.tensorflow.index_exchange import MODES as INDEX_EXCHANGES
 from hvd_scalecom.tensorflow.index_exchange import IndexExchangeGraph
 from hvd_scalecom.tensorflow.saved_state import TIMING_STEPS, SavedConfiguration, StateAndStatistics
@@ -58,9 +60,10 @@ class _Slot:
         self.next_indices = None  # pipelined: the indices selected for step ahead_step
         self.ahead_step = None  # pipelined: the step next_indices are for (-1: none), int64
         self.fresh = None  # pipelined: [fresh index exchanges, the step of the last one (-1: none)]
+        self.health = None  # with check_every: the health check's state (tensorflow.health.SlotHealth)
 
 
-class ScaleCom(IndexExchangeGraph, GradientMatching, StateAndStatistics, tf.Module, Compressor):
+class ScaleCom(IndexExchangeGraph, HealthGraph, GradientMatching, StateAndStatistics, tf.Module, Compressor):
     """CLT-k with a low-pass-filtered residue memory (Chen et al., NeurIPS 2020, Algorithm 1).
 
     Args:
@@ -87,6 +90,12 @@ class ScaleCom(IndexExchangeGraph, GradientMatching, StateAndStatistics, tf.Modu
             the values' allreduce (see ``ScaleComConfig``); off by default: exact ScaleCom.
         op: the op the tape or optimizer reduces with, ``hvd.Average`` (default) or ``hvd.Sum``:
             ScaleCom reduces warm-up steps densely itself, with this op.
+        check_every, fallback, min_captured, patience: the health check (:mod:`hvd_scalecom.health`,
+            off by default): one compressed step in ``check_every`` of each variable sends ``p`` densely
+            and measures how much of the global top-k's energy the leader's indices carried
+            (``stats()["health"]``); ``fallback="dense"`` sends a variable densely after ``patience``
+            checks in a row below ``min_captured``, until ``patience`` checks reach it again (not with
+            ``pipelined``).
 
     Create it eagerly (outside ``tf.function``), before the first step. ``tf.train.Checkpoint``
     tracks the residue memories and step counters (``compression=scalecom``), and the configuration,
@@ -100,13 +109,19 @@ class ScaleCom(IndexExchangeGraph, GradientMatching, StateAndStatistics, tf.Modu
 
     def __init__(self, variables, ratio=0.01, beta=0.1, warmup_steps=0, min_numel=1024, *,
                  leader="cyclic", selection="threshold", value_dtype=None, index_dtype=tf.int32,
-                 process_set=None, index_exchange="broadcast", pipelined=False, op=hvd.Average):
+                 process_set=None, index_exchange="broadcast", pipelined=False, op=hvd.Average,
+                 check_every=None, fallback=None, min_captured=0.5, patience=2):
         config = ScaleComConfig(
             ratio=ratio, beta=beta, warmup_steps=warmup_steps, min_numel=min_numel, leader=leader,
             selection=selection,
             value_dtype=check_dtype_name(dtype_text(value_dtype), "value_dtype", HOROVOD_VALUE_DTYPES),
             index_dtype=check_dtype_name(dtype_text(index_dtype), "index_dtype", INDEX_DTYPES),
             pipelined=pipelined)
+        health = HealthCheck(check_every=check_every, fallback=fallback, min_captured=min_captured,
+                             patience=patience)
+        if health.fallback is not None and config.pipelined:
+            raise ValueError(f"fallback={health.fallback!r} does not go with pipelined=True: the fallback decides "
+                             f"at a step's end, after a pipelined step has shared the next step's indices")
         if process_set is None:
             process_set = hvd.global_process_set
         elif not isinstance(process_set, hvd.ProcessSet):
@@ -123,6 +138,7 @@ class ScaleCom(IndexExchangeGraph, GradientMatching, StateAndStatistics, tf.Modu
                                "tf.Variables that must exist before the first traced step")
         super().__init__(name="scalecom")
         self.config = config
+        self.health = health
         self.index_exchange = index_exchange
         self.op = op
         self._process_set = process_set
@@ -147,6 +163,8 @@ class ScaleCom(IndexExchangeGraph, GradientMatching, StateAndStatistics, tf.Modu
             slot.nonfinite = tf.Variable(0, dtype=tf.int64, trainable=False, name=f"nonfinite_{index}")
             slot.timing = tf.Variable(tf.zeros([TIMING_STEPS + 1, 2], tf.float64), trainable=False,
                                       name=f"timing_{index}")
+            if health.enabled and slot.compressible:
+                slot.health = SlotHealth(index, TIMING_STEPS)
             slots.append(slot)
         self._slots = tuple(slots)
         self._by_name = {s.name: s for s in slots}
@@ -162,6 +180,8 @@ class ScaleCom(IndexExchangeGraph, GradientMatching, StateAndStatistics, tf.Modu
         if config.pipelined:  # and the indices already chosen for the next step
             self.pipeline = [v for s in slots if s.compressible for v in (s.next_indices, s.ahead_step)]
             self.statistics += [s.fresh for s in slots if s.compressible]
+        if health.enabled:  # the checks' results and the fallback's decisions (with their tallies)
+            self.health_state = [v for s in slots if s.health is not None for v in s.health.variables()]
         self._cursor_graph = None  # (weak reference to) the graph the last gradient was traced in
         self._cursor = 0
         self._taking = 0  # the variable whose gradient compress takes (or took last)
@@ -169,10 +189,12 @@ class ScaleCom(IndexExchangeGraph, GradientMatching, StateAndStatistics, tf.Modu
         self._step_checked = None  # variable #0's step counter, once every variable was found stepped
         self._in_flight = []  # (slot, wire dtype) compressed since the last decompress: one group's
         self._agreed = False  # configurations compared across ranks (at the first compress)
+        self._health_warned = False  # the health check's warning was given (rank 0)
 
     def __repr__(self):
+        health = f", {self.health}" if self.health.enabled else ""
         return (f"ScaleCom({len(self._slots)} variables, {self.config}, "
-                f"index_exchange={self.index_exchange!r}, op={'Sum' if self.op == hvd.Sum else 'Average'})")
+                f"index_exchange={self.index_exchange!r}, op={'Sum' if self.op == hvd.Sum else 'Average'}{health})")
 
     # -- Horovod's compression interface ----------------------------------------------------------
 
@@ -216,13 +238,18 @@ class ScaleCom(IndexExchangeGraph, GradientMatching, StateAndStatistics, tf.Modu
         self._in_flight.clear()
         if ctx is None:
             return tensor
-        slot, t, indices, dense, in_warmup, grad, memory_at_indices, exact = ctx
+        slot, t, indices, dense, in_warmup, grad, memory_at_indices, exact, modes = ctx
         with tf.name_scope(f"{self._prefix}_{slot.index}_decompress"):
             start, tensor = stamp(tensor)
-            self._update_memory(slot, tensor, in_warmup, grad, indices, memory_at_indices, exact)
+            self._update_memory(slot, t, tensor, in_warmup, grad, indices, memory_at_indices, exact, modes)
+
+            def scatter(values):
+                return clt_k.scatter_dense(values, indices, slot.shape, slot.grad_dtype)
 
             def sparse():
-                return clt_k.scatter_dense(tensor, indices, slot.shape, slot.grad_dtype)
+                if modes is None:
+                    return scatter(tensor)
+                return self._health_output(slot, tensor, indices, *modes, scatter)
 
             if in_warmup is None:
                 out = sparse()
@@ -234,24 +261,37 @@ class ScaleCom(IndexExchangeGraph, GradientMatching, StateAndStatistics, tf.Modu
             slot.timing.scatter_nd_add([[row, 0], [TIMING_STEPS, 0]], tf.stack([seconds, seconds]))
             return out
 
-    def _update_memory(self, slot, reduced, in_warmup, grad, indices, memory_at_indices, exact):
+    def _update_memory(self, slot, t, reduced, in_warmup, grad, indices, memory_at_indices, exact, modes):
         """The low-pass memory update of a compressed step, skipped (and counted) when the reduced
-        values are not finite: then some rank's gradient was, and every rank sees it alike."""
+        values are not finite: then some rank's gradient was, and every rank sees it alike. With the
+        health check (``modes``: is it a check, is the variable sent densely), a fallback step keeps
+        ``(1 - beta) m`` (every entry was sent), and a check's measures are recorded."""
         finite = tf.reduce_all(tf.math.is_finite(reduced))
         compressed = tf.constant(True) if in_warmup is None else tf.logical_not(in_warmup)
         sent_dtype = self._value_dtype or grad.dtype
 
-        def update():
+        def filtered():
             with tf.control_dependencies([clt_k.filter_memory(
                     slot.memory, grad, indices, memory_at_indices, exact, self.config.beta,
                     sent_dtype)]):
                 return tf.constant(0, tf.int64)
+
+        def decayed():
+            with tf.control_dependencies([slot.memory.assign((1.0 - self.config.beta) * slot.memory)]):
+                return tf.constant(0, tf.int64)
+
+        def update():
+            if modes is None or self.health.fallback is None:
+                return filtered()
+            return tf.cond(modes[1], decayed, filtered)
 
         def skip():
             return tf.cast(compressed, tf.int64)  # warm-up steps update nothing and count nothing
 
         skipped = tf.cond(tf.logical_and(compressed, finite), update, skip)
         slot.nonfinite.assign_add(skipped)
+        if modes is not None:
+            self._health_record(slot, t, reduced, indices, compressed, *modes)
 
     # -- the graph of one compressed step ---------------------------------------------------------
 
@@ -266,20 +306,26 @@ class ScaleCom(IndexExchangeGraph, GradientMatching, StateAndStatistics, tf.Modu
         sent_dtype = self._value_dtype or tensor.dtype
         index_dtype = tf.as_dtype(self.config.index_dtype_for(slot.numel))
         row = tf.cast(t % TIMING_STEPS, tf.int32)
+        modes = self._health_modes(slot, t) if slot.health is not None else None  # (is_check, falling_back)
 
         def compressed():
             # A non-finite gradient anywhere on this rank makes every value it sends NaN, so that all
             # ranks see a non-finite reduction and skip the memory update (in decompress); a leader
             # then selects from its memory (clt_k.selection_source). Read once for both.
             finite = tf.reduce_all(tf.math.is_finite(tensor))  # (a sum could overflow: entry by entry)
-            indices, wait_from = self._indices_for_step(slot, tensor, finite, t, leader, rank, size,
-                                                        index_dtype, start)
+            def exchange():
+                return self._indices_for_step(slot, tensor, finite, t, leader, rank, size, index_dtype, start)
+
+            indices, wait_from = exchange() if modes is None else self._health_indices(
+                slot, *modes, exchange, index_dtype, start)
             received, indices = stamp(indices)
             selected = []
             if self.config.pipelined:
                 selected = [self._select_ahead(slot, tensor, finite, t, rank, size, index_dtype)]
             memory_at_indices, exact = clt_k.take(slot.memory, tensor, indices)  # m_i[I], p_i[I]
             values = tf.where(finite, tf.cast(exact, sent_dtype), tf.constant(float("nan"), sent_dtype))
+            if modes is not None:  # p densely in a check or fallback step
+                values = self._health_values(slot, tensor, finite, values, *modes, sent_dtype)
             # The memory is updated once the leader has read p for its selection ahead.
             with tf.control_dependencies(selected):
                 memory_at_indices = tf.identity(memory_at_indices)
@@ -290,7 +336,7 @@ class ScaleCom(IndexExchangeGraph, GradientMatching, StateAndStatistics, tf.Modu
 
         if self.config.warmup_steps == 0:
             values, _, indices, memory_at_indices, exact = compressed()
-            return values, (slot, t, indices, None, None, tensor, memory_at_indices, exact)
+            return values, (slot, t, indices, None, None, tensor, memory_at_indices, exact, modes)
 
         def warmup():
             """Dense reduction (``op``) by ScaleCom itself; Horovod's allreduce carries k ones, which
@@ -305,8 +351,8 @@ class ScaleCom(IndexExchangeGraph, GradientMatching, StateAndStatistics, tf.Modu
 
         in_warmup = t < self.config.warmup_steps
         values, dense, indices, memory_at_indices, exact = tf.cond(in_warmup, warmup, compressed)
-        values = tf.ensure_shape(values, [slot.k])
-        return values, (slot, t, indices, dense, in_warmup, tensor, memory_at_indices, exact)
+        values = tf.ensure_shape(values, [slot.k] if modes is None else [None])
+        return values, (slot, t, indices, dense, in_warmup, tensor, memory_at_indices, exact, modes)
 
     def _checked_dense(self, reduced_ones, dense, slot):
         """A warm-up step's gradient, ``dense`` (reduced by ScaleCom with ``op``), once the k ones that
@@ -342,7 +388,8 @@ class ScaleCom(IndexExchangeGraph, GradientMatching, StateAndStatistics, tf.Modu
         if not self._process_set.included():
             return  # (a rank outside the process set: Horovod's tape returns its own gradients there)
         self._agreed = True
-        summary = {**self.config.as_dict(), "index_exchange": self.index_exchange, "op": int(self.op),
+        summary = {**self.config.as_dict(), "health": self.health.as_dict(),
+                   "index_exchange": self.index_exchange, "op": int(self.op),
                    "variables": len(self._slots), "collective_prefix": self._prefix,
                    "variable_digest": agreement.digest([[s.dtype.name, list(s.shape)]
                                                         for s in self._slots])}

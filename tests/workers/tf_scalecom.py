@@ -11,17 +11,22 @@ callback during ``model.fit``, at the optimizer's iteration count) and records i
 ``model.fit`` with ``DistributedOptimizer`` from step ``fit_from``: one ``fit`` call per step, or,
 with ``steps_per_execution``, one for all the steps left, whose weights after each step the model
 keeps; ``loss_scale``: the fit optimizer is a ``LossScaleOptimizer`` of that initial scale,
-``policy``: the Keras dtype policy).
+``policy``: the Keras dtype policy). ``health``: the health check's options (``check_every``, ...);
+``designed``: ``{"low_until": T}``, gradients made to order (tf_model.designed_batch) instead of the
+MLP's; ``record_stats``: ``stats/<t>`` after every step and the warnings each ``stats()`` gave, as
+``warnings/<t>``; ``reload_at``: after that many steps, a new ScaleCom loads the state_dict() and
+trains on.
 """
 
 import json
 import os
 import sys
+import warnings
 
 import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
-from tf_model import batch, loss_of
+from tf_model import batch, designed_batch, designed_loss, loss_of
 
 from hvd_scalecom.tensorflow import ScaleCom, log_stats
 
@@ -52,7 +57,15 @@ def make_compression(variables):
                     leader=opts.get("leader", "cyclic"), selection=opts.get("selection", "exact"),
                     value_dtype=opts.get("value_dtype"), index_dtype=opts.get("index_dtype", "int32"),
                     index_exchange=opts.get("index_exchange", "broadcast"),
-                    pipelined=opts.get("pipelined", False), op=OP, **set_kwargs)
+                    pipelined=opts.get("pipelined", False), op=OP, **opts.get("health", {}), **set_kwargs)
+
+
+if opts.get("designed"):  # gradients made to order (the loss is linear in the weights)
+    def batch(t, rank):
+        return designed_batch(t, rank, hvd.size(), opts["designed"]["low_until"], SHAPES, opts.get("ratio", 0.05))
+
+    def loss_of(weights, x, y):
+        return designed_loss(weights, x)
 
 
 if mode == "keras":
@@ -149,6 +162,7 @@ def checkpoint_for(compression):
 
 
 def train(first_step, steps, record, compression_used, label=""):
+    global compression, step  # (replaced at "reload_at")
     for t in range(first_step, first_step + steps):
         x, y = batch(t, rank)
         poison = opts.get("poison")  # {"rank", "step"}: a NaN input makes that rank's gradients NaN
@@ -200,6 +214,17 @@ def train(first_step, steps, record, compression_used, label=""):
         for name, r, a in zip(NAMES, raw, applied):
             record[f"{label}raw/{t}/{name}"] = r.numpy()
             record[f"{label}applied/{t}/{name}"] = a
+        if opts.get("record_stats"):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                record[f"stats/{t}"] = np.array(json.dumps(compression_used.stats()))
+            record[f"warnings/{t}"] = np.array([str(w.message) for w in caught], dtype=str)
+        if t + 1 == opts.get("reload_at"):  # a new ScaleCom from state_dict() trains on (retraced)
+            state = compression_used.state_dict()
+            record["reloaded_state"] = np.array(json.dumps(state["health"]))
+            compression = compression_used = make_compression(weights)
+            compression.load_state_dict(state)
+            step = tf.function(step.python_function)
         if t + 1 == opts.get("checkpoint_at"):
             checkpoint_for(compression_used).write(os.path.join(out_dir, f"ckpt{rank}"))
     for name, w in zip(NAMES, weights):
