@@ -89,7 +89,7 @@ def register(args, ddp, model):
         state = ScaleComState(ratio=args.ratio, beta=args.beta, warmup_steps=args.warmup_steps,
                               min_numel=args.min_numel, leader=args.leader, selection=args.selection,
                               value_dtype=args.value_dtype, index_dtype=args.index_dtype,
-                              check_every=args.check_every, fallback=args.fallback,
+                              check_every=args.check_every, fallback=args.fallback, min_captured=args.min_captured,
                               named_parameters=model.named_parameters())
         ddp.register_comm_hook(state, scalecom_hook)
     elif args.compression == "powersgd":

@@ -149,7 +149,8 @@ def add_scalecom_arguments(ap, value_dtypes):
                     help="the health check: one compressed step in N also reduces p densely and measures how "
                          "much of the global top-k's energy the leader's indices carry (stats()['health'])")
     ap.add_argument("--fallback", choices=["dense"], default=None,
-                    help="send a parameter densely while its checks stay low (needs --check-every)")
+                    help="send a parameter densely while its checks stay below --min-captured (needs --check-every)")
+    ap.add_argument("--min-captured", type=fraction, default=0.5)
 
 
 def health_figures(stats):

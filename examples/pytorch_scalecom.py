@@ -83,7 +83,8 @@ def main(argv=None):
                                warmup_steps=args.warmup_steps, min_numel=args.min_numel,
                                leader=args.leader, selection=args.selection,
                                value_dtype=args.value_dtype, index_dtype=args.index_dtype,
-                               pipelined=args.pipelined, check_every=args.check_every, fallback=args.fallback)
+                               pipelined=args.pipelined, check_every=args.check_every, fallback=args.fallback,
+                               min_captured=args.min_captured)
     elif args.compression == "fp16":
         compression = hvd.Compression.fp16
     else:

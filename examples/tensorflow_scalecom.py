@@ -84,6 +84,10 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.resume and not args.checkpoint:
         ap.error("--resume needs --checkpoint DIR")
+    if args.fallback is not None and args.check_every is None:
+        ap.error(f"--fallback {args.fallback} needs --check-every (the checks decide when to fall back)")
+    if args.fallback is not None and args.pipelined:
+        ap.error("--fallback needs exact ScaleCom (without --pipelined)")
     return args
 
 

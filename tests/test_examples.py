@@ -186,7 +186,7 @@ def test_bad_example_arguments_are_named(example, arguments, message, request):
     assert code != 0 and message in output, output[-2000:]
 
 
-@pytest.mark.parametrize("example", ["pytorch_scalecom.py"])
+@pytest.mark.parametrize("example", ["pytorch_scalecom.py", "tensorflow_scalecom.py"])
 @pytest.mark.parametrize("arguments, message", [
     (["--fallback", "dense"], "--fallback dense needs --check-every"),
     (["--check-every", "0"], "argument --check-every: must be a positive integer, got 0"),
