@@ -78,24 +78,33 @@ def plan(parts, fallbacks, smoke=False):
     if smoke:
         return [Run("smoke", task, scheme, 4, 0) for task in ("digits", "charlm")
                 for scheme in ("dense", PLAIN, fallback_keys[0])]
-    criteria, long, rest = [], [], []  # in this order: what decides the criteria first
+    # in order of what decides the criteria: n = 64 with the first fallback setting, seed by seed; then
+    # that setting at n = 16 and the larger ratio at n = 64; the long run; one seed of everything else;
+    # then the further seeds of the rest
+    first, second, third, fourth, fifth = [], [], [], [], []
     for part in parts:
         if part == "sweep":  # (the LM: the task where ScaleCom's premise is weakest)
-            rest += [Run(part, "charlm", scheme, 64, 0)
-                     for scheme in ("dense", PLAIN, *[f"scalecom:{s}" for s in SWEEP])]
+            fourth += [Run(part, "charlm", scheme, 64, 0)
+                       for scheme in ("dense", PLAIN, *[f"scalecom:{s}" for s in SWEEP])]
         elif part == "main":
-            criteria += [Run(part, task, scheme, 64, seed) for task in ("charlm", "digits") for seed in SEEDS_64
-                         for scheme in ("dense", PLAIN, *fallback_keys)]
-            rest += [Run(part, task, scheme, 64, seed) for task in ("charlm", "digits") for seed in SEEDS
-                     for scheme in ("global_topk", LARGER_K)]
-            rest += [Run(part, task, scheme, 16, seed) for task in ("charlm", "digits") for seed in SEEDS
-                     for scheme in ("dense", PLAIN, *fallback_keys, "global_topk", LARGER_K)]
+            first += [Run(part, task, scheme, 64, seed) for seed in SEEDS_64 for task in ("charlm", "digits")
+                      for scheme in ("dense", PLAIN, fallback_keys[0])]
+            second += [Run(part, task, scheme, n, SEEDS[0]) for task in ("charlm", "digits")
+                       for scheme, n in ((fallback_keys[0], 16), (LARGER_K, 64))]
+            for seed in SEEDS:
+                later = fourth if seed == SEEDS[0] else fifth
+                later += [Run(part, task, scheme, 16, seed) for task in ("charlm", "digits")
+                          for scheme in ("dense", PLAIN, *fallback_keys, "global_topk", LARGER_K)]
+                later += [Run(part, task, scheme, 64, seed) for task in ("charlm", "digits")
+                          for scheme in ("global_topk", LARGER_K)]
+            fifth += [Run(part, task, scheme, 64, seed) for seed in SEEDS_64 for task in ("charlm", "digits")
+                      for scheme in fallback_keys[1:]]
         elif part == "long":
-            long += [Run(part, "charlm", scheme, 64, 0, LONG)
-                     for scheme in ("dense", PLAIN, fallback_keys[0], "global_topk")]
+            third += [Run(part, "charlm", scheme, 64, 0, LONG) for scheme in ("dense", fallback_keys[0], PLAIN)]
+            fourth += [Run(part, "charlm", "global_topk", 64, 0, LONG)]
         else:
             raise ValueError(f"unknown part {part!r}")
-    runs += criteria + long + rest
+    runs += first + second + third + fourth + fifth
     seen, unique = set(), []
     for run in runs:
         if run.key not in seen:
@@ -216,6 +225,10 @@ def _fmt(task, values):
     return text + (f" [{len(values)}]" if len(values) > 1 else "")
 
 
+def _gap(task, value, dense):
+    return f"{value - dense:+.2f} points" if task == "digits" else f"{100 * (value - dense) / dense:+.1f}%"
+
+
 def _kb(x):
     return "–" if x is None else f"{x / 1e3:,.1f}" if x < 1e5 else f"{x / 1e3:,.0f}"
 
@@ -238,16 +251,19 @@ def report(results):
     lines = []
     metric = {"digits": "test accuracy", "charlm": "validation loss (nats/char)"}
 
-    sweep = [r for r in runs if r["part"] == "sweep"]
+    sweep = [r for r in runs if r["part"] == "sweep" and r["task"] == "charlm"]
     if sweep:
         lines += ["Sweep (n = 64, seed 0):", "",
-                  "| task | scheme | quality | kB/worker/step | dense tensor-steps | captured, mean over checks |",
-                  "|---|---|---:|---:|---:|---:|"]
+                  "| task | scheme | quality | gap to dense | kB/worker/step | dense tensor-steps | "
+                  "captured, mean over checks |", "|---|---|---:|---:|---:|---:|---:|"]
+        dense = {r["task"]: _quality(r) for r in sweep if r["scheme"] == "dense"}
         for r in sweep:
             h = r.get("health")
             share = "–" if not h else f"{100 * _dense_share(r):.0f}%"
             captured = "–" if not h else f"{_mean(h['captured']):.3f}"
-            lines.append(f"| {r['task']} | {_label(r['scheme'])} | {_fmt(r['task'], [_quality(r)])} | "
+            gap = "–" if r["scheme"] == "dense" or r["task"] not in dense else _gap(r["task"], _quality(r),
+                                                                                          dense[r["task"]])
+            lines.append(f"| {r['task']} | {_label(r['scheme'])} | {_fmt(r['task'], [_quality(r)])} | {gap} | "
                          f"{_kb(r['bytes_per_step'])} | {share} | {captured} |")
         lines.append("")
 
@@ -278,7 +294,7 @@ def report(results):
         lines.append("")
 
     for task in ("digits", "charlm"):
-        seeds = sorted({r["seed"] for r in runs if r["task"] == task and r["n"] == 64 and r["part"] == "main"
+        seeds = sorted({r["seed"] for r in runs if r["task"] == task and r["n"] == 64 and r.get("length", 1) == 1
                         and r["scheme"] == "dense"})
         if len(seeds) < 2:
             continue
@@ -305,7 +321,8 @@ def report(results):
             lines.append(f"| {seed} | " + " | ".join(row) + " |")
         lines.append("")
 
-    health_rows = [r for r in runs if r.get("health") and r["part"] == "main"]
+    fallbacks = [f"scalecom:{f}" for f in results.get("fallbacks", FALLBACKS)]
+    health_rows = [r for r in runs if r["scheme"] in (PLAIN, *fallbacks) and r.get("length", 1) == 1]
     if health_rows:
         lines += ["Health figures (mean over the seeds of each run's mean over its checks; dense share: of "
                   "the compressed tensor-steps, those the fallback sent densely):", "",

@@ -44,7 +44,7 @@ def test_plan_puts_the_criteria_first_and_five_seeds_at_64():
     from benchmarks.health_fallback import FALLBACKS, PLAIN, plan
     runs = plan(["main", "long"], FALLBACKS)
     assert len({r.key for r in runs}) == len(runs)
-    first = runs[:5 * 2 * (2 + len(FALLBACKS))]
+    first = runs[:5 * 2 * 3]  # dense, plain ScaleCom and the first fallback setting
     assert {(r.n, r.length) for r in first} == {(64, 1)} and {r.seed for r in first} == set(range(5))
     for task in ("digits", "charlm"):
         for scheme in ("dense", PLAIN, *[f"scalecom:{f}" for f in FALLBACKS]):
