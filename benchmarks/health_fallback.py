@@ -79,8 +79,8 @@ def plan(parts, fallbacks, smoke=False):
         return [Run("smoke", task, scheme, 4, 0) for task in ("digits", "charlm")
                 for scheme in ("dense", PLAIN, fallback_keys[0])]
     # in order of what decides the criteria: n = 64 with the first fallback setting, seed by seed; then
-    # that setting at n = 16 and the larger ratio at n = 64; the long run; one seed of everything else;
-    # then the further seeds of the rest
+    # that setting at n = 16 and the larger ratio at n = 64; the long run and the second setting on
+    # digits' seeds; one seed of everything else and the second setting on the LM's; then the rest
     first, second, third, fourth, fifth = [], [], [], [], []
     for part in parts:
         if part == "sweep":  # (the LM: the task where ScaleCom's premise is weakest)
@@ -97,8 +97,8 @@ def plan(parts, fallbacks, smoke=False):
                           for scheme in ("dense", PLAIN, *fallback_keys, "global_topk", LARGER_K)]
                 later += [Run(part, task, scheme, 64, seed) for task in ("charlm", "digits")
                           for scheme in ("global_topk", LARGER_K)]
-            fifth += [Run(part, task, scheme, 64, seed) for seed in SEEDS_64 for task in ("charlm", "digits")
-                      for scheme in fallback_keys[1:]]
+            third += [Run(part, "digits", scheme, 64, seed) for seed in SEEDS_64 for scheme in fallback_keys[1:]]
+            fourth += [Run(part, "charlm", scheme, 64, seed) for seed in SEEDS_64 for scheme in fallback_keys[1:]]
         elif part == "long":
             third += [Run(part, "charlm", scheme, 64, 0, LONG) for scheme in ("dense", fallback_keys[0], PLAIN)]
             fourth += [Run(part, "charlm", "global_topk", 64, 0, LONG)]
@@ -268,10 +268,10 @@ def report(results):
         lines.append("")
 
     for task in ("digits", "charlm"):
-        schemes = []
-        for r in runs:
-            if r["task"] == task and r.get("length", 1) == 1 and r["part"] != "sweep" and r["scheme"] not in schemes:
-                schemes.append(r["scheme"])
+        order = ["dense", PLAIN, *[f"scalecom:{f}" for f in results.get("fallbacks", FALLBACKS)], LARGER_K,
+                 "global_topk"]
+        schemes = [s for s in order if any(r["task"] == task and r["scheme"] == s and r.get("length", 1) == 1
+                                           for r in runs)]
         if not schemes:
             continue
         ns = sorted({r["n"] for r in runs if r["task"] == task and r["part"] != "sweep"})
