@@ -14,13 +14,15 @@ Parts (``--part``, several allowed; results go to ``--out`` and are reused from 
 * ``main``: n = 16 and 64: dense, plain ScaleCom, ScaleCom with each fallback setting of
   ``--fallback`` (default :data:`FALLBACKS`), global top-k (oracle indices, ScaleCom's bytes) and
   ScaleCom at ratio 0.1 (a larger k instead of dense steps); seeds 0-4 at n = 64 for dense, plain
-  ScaleCom and the fallbacks, seeds 0-1 otherwise;
+  ScaleCom and the fallbacks, seeds 0-1 otherwise (run in the order :func:`plan` gives: what decides
+  the criteria first);
 * ``long``: the LM at n = 64, seed 0, three times as many steps (960; the schedules stretched).
 
 ``--report`` prints the markdown tables of docs/convergence.md's section "The health check and the
 fallback at 16 and 64 workers" from ``--out``. ``--smoke``: n = 4, 8 steps, one fallback setting.
 
-    python -m benchmarks.health_fallback --part sweep main long --jobs 2
+    python -m benchmarks.health_fallback --part sweep --jobs 2
+    python -m benchmarks.health_fallback --part long main --jobs 2
     python -m benchmarks.health_fallback --report
 """
 
@@ -363,6 +365,8 @@ def report(results):
                                                        else f"{v - d:+.4f} ({100 * (v - d) / d:+.1f}%)"]
             lines.append(f"| {_label(r['scheme'])} | " + " | ".join(cells) + f" | {_kb(r['bytes_per_step'])} |")
         lines.append("")
+    lines.append(f"{len(runs)} runs, {sum(r['cpu_seconds'] for r in runs) / 60:.1f} CPU minutes of training "
+                 f"(their process time summed).")
     return "\n".join(lines)
 
 
