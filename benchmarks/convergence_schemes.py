@@ -118,6 +118,8 @@ def build(key, recipe, n, knob=None, local_steps=None):
         return ScaleCom(ratio=r, beta=SCALECOM_BETA, pipelined=True, **common)
     if key.startswith("scalecom_beta"):  # scalecom_beta0.3 and the like, for the beta sweep
         return ScaleCom(ratio=r, beta=float(key[len("scalecom_beta"):]), **common)
+    if key.startswith("scalecom:"):  # "scalecom:check_every=8,fallback=dense,min_captured=0.5,ratio=0.1"
+        return ScaleCom(**{"ratio": r, "beta": SCALECOM_BETA, **common, **scalecom_options(key)})
     if key == "local_topk":
         return LocalTopK(ratio=r, **common)
     if key == "global_topk":
@@ -136,6 +138,22 @@ def build(key, recipe, n, knob=None, local_steps=None):
                                ratio=float(knob or r),
                                operator="sign_top_k", momentum=recipe.momentum, min_numel=recipe.min_numel)
     raise ValueError(f"unknown scheme {key!r}")
+
+
+SCALECOM_OPTIONS = {"check_every": int, "fallback": str, "min_captured": float, "patience": int, "ratio": float,
+                    "beta": float}
+
+
+def scalecom_options(key):
+    """ScaleCom's arguments in a key ``"scalecom:NAME=VALUE,..."`` (names of :data:`SCALECOM_OPTIONS`)."""
+    options = {}
+    for item in key.partition(":")[2].split(","):
+        name, eq, value = item.partition("=")
+        if not eq or name not in SCALECOM_OPTIONS:
+            raise ValueError(f"scheme {key!r}: expected NAME=VALUE with NAME one of {', '.join(SCALECOM_OPTIONS)}, "
+                             f"got {item!r}")
+        options[name] = SCALECOM_OPTIONS[name](value)
+    return options
 
 
 # -- traffic matching ---------------------------------------------------------------------------------
@@ -234,6 +252,7 @@ def train(task, key, n, recipe, seed=0, knob=None, progress=None):
                 break
     history += sim.history
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    health = _health_record(history, recipe.compression_warmup, getattr(scheme, "health_summary", lambda: None)())
     final = dict(curve[-1])
     sent = [h["sent_bytes"] for h in history]
     compressed = sent[recipe.compression_warmup:] or sent
@@ -252,7 +271,25 @@ def train(task, key, n, recipe, seed=0, knob=None, progress=None):
         "residue_norm": [_rounded(h.get("residue_norm")) for h in history],
         "seconds": seconds, "cpu_seconds": cpu,
         "steps": len(history),
+        **({"health": health} if health else {}),
     }
+
+
+def _health_record(history, skip, summary):
+    """ScaleCom's health check over a run: per step ``captured`` and ``overlap`` (None where no tensor
+    was checked) and ``dense_tensors`` (sent densely from the next step on); ``summary``, the monitor's
+    at the end (its latest checks); ``plain_bytes_per_step``, the mean bytes of the compressed steps
+    that neither checked nor fell back (those of ScaleCom without the check)."""
+    if summary is None:
+        return None
+    steps = history[skip:]
+    plain = [h["sent_bytes"] for previous, h in zip(history[skip - 1:] if skip else [{}] + history, steps)
+             if "health_checks" not in h and not previous.get("health_dense_tensors")]
+    return {"captured": [_rounded(h.get("health_captured")) for h in history],
+            "overlap": [_rounded(h.get("health_overlap")) for h in history],
+            "dense_tensors": [h.get("health_dense_tensors") for h in history],
+            "plain_bytes_per_step": sum(plain) / len(plain) if plain else None,
+            "summary": summary}
 
 
 def _mean_after(history, key, skip):

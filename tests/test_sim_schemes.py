@@ -259,6 +259,135 @@ def test_scalecom_with_identical_workers_is_global_top_k():
         torch.testing.assert_close(a.update, b.update, rtol=0, atol=0)
 
 
+# -- ScaleCom's health check and dense fallback ---------------------------------------------------------
+
+HEALTH_STEPS = 12
+
+
+def health_grads(n, seed=0):
+    """Steps 0-2 (and 8-9) "disjoint": worker i's gradient lives on its own block of w, the leader's
+    (t mod n) 100x smaller, so its top-k misses the sum's; the other steps identical and large, so
+    that the leader's top-k is the sum's. With check_every=2, patience=2, min_captured=0.9: checks at
+    0 and 2 are low (fallback from step 3), at 4 and 6 good (compressed again from step 7), 8 low."""
+    rng = np.random.RandomState(seed)
+    numel = math.prod(SHAPES["w"])
+    blocks = np.array_split(np.arange(numel), n)
+    out = []
+    for t in range(HEALTH_STEPS):
+        if t in (0, 1, 2, 8, 9):
+            step = []
+            for i in range(n):
+                w = np.zeros(numel, np.float32)
+                w[blocks[i]] = rng.randn(len(blocks[i])) * (0.01 if i == t % n else 1.0)
+                step.append({"w": w.reshape(SHAPES["w"]), "b": rng.randn(4).astype(np.float32)})
+        else:
+            common = (10 * rng.randn(numel)).astype(np.float32).reshape(SHAPES["w"])
+            step = [{"w": common.copy(), "b": rng.randn(4).astype(np.float32)} for _ in range(n)]
+        out.append(step)
+    return out
+
+
+HEALTH = dict(check_every=2, fallback="dense", min_captured=0.9, patience=2)
+
+
+@pytest.mark.filterwarnings("ignore:ScaleCom's health check")
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("beta, value_dtype", [(0.5, None), (1.0, None), (0.3, "float16")])
+def test_scalecom_health_check_and_dense_fallback_match_the_reference(n, beta, value_dtype):
+    """Compressed -> check -> fallback (dense) -> check while dense -> back to compressed: the updates,
+    memories, per-step health figures, decisions and byte counts against ``scalecom_reference``."""
+    grads = health_grads(n)
+    scheme = ScaleCom(ratio=0.2, beta=beta, min_numel=MIN_NUMEL, value_dtype=value_dtype, **HEALTH)
+    sim, results = simulate(scheme, grads, n=n)
+    log = []
+    applied, memories = scalecom_reference(grads, NAMES, n, 0.2, beta, 0, MIN_NUMEL,
+                                           value_dtype=np.float16 if value_dtype else np.float32,
+                                           health_log=log, **HEALTH)
+    tol = dict(rtol=2e-3, atol=2e-3) if value_dtype else {}
+    assert_updates(results, applied, **tol)
+    for i in range(n):
+        np.testing.assert_allclose(sim.scheme.state["w"]["memory"][i].numpy(), memories[i]["w"],
+                                   rtol=1e-5, atol=1e-5)
+    # the run really went through every phase
+    dense_after = {t: dense for t, name, *_, dense in log}
+    assert dense_after == {0: False, 2: True, 4: True, 6: False, 8: False, 10: False}
+    sends_dense = [False] * 3 + [True] * 4 + [False] * 5  # from the step after the deciding check
+    for t, result in enumerate(results):
+        diagnostics = result.diagnostics
+        assert diagnostics["health_dense_tensors"] == int((sends_dense[1:] + [False])[t]), t
+        assert ("health_captured" in diagnostics) == (t % 2 == 0)
+        nonzero = np.count_nonzero(result.update[0].numpy())
+        assert nonzero == (30 if sends_dense[t] else 6), t  # dense steps apply every entry
+    for t, _name, hits, k, selected, topk, _total, _dense in log:
+        got = results[t].diagnostics
+        assert got["health_overlap"] == pytest.approx(hits / k)
+        assert got["health_captured"] == pytest.approx(selected / topk, rel=1e-3 if value_dtype else 1e-6)
+        assert got["health_by_tensor"]["w"]["captured"] == pytest.approx(got["health_captured"])
+    summary = sim.scheme.health_summary()
+    last = log[-1]
+    assert summary["checks"] == len(log) == 6 and summary["dense_steps"] == 4 and summary["dense_tensors"] == 0
+    assert summary["captured"] == pytest.approx(last[4] / last[5], rel=1e-3 if value_dtype else 1e-6)
+    assert summary["selected_share"] == pytest.approx(last[4] / last[6], rel=1e-3 if value_dtype else 1e-6)
+    # bytes per worker: a check sends k indices and p densely; a fallback step p densely, no indices
+    itemsize = 2 if value_dtype else 4
+    for t, result in enumerate(results):
+        checked, dense = t % 2 == 0, sends_dense[t]
+        traffic = result.traffic
+        assert traffic.payload("index") == (0 if dense and not checked else 6 * 4), t
+        assert traffic.payload("value") == (30 * itemsize if checked else 0 if dense else 6 * itemsize), t
+        assert traffic.payload("dense") == 4 * 4 + (30 * itemsize if dense and not checked else 0), t
+    totals = sim.totals()
+    assert totals["sent_bytes"] == pytest.approx(sum(r.traffic.sent_bytes() for r in results))
+
+
+def test_scalecom_health_check_alone_trains_as_plain_scalecom():
+    """Without a fallback the checks only report: the same updates and memories as plain ScaleCom,
+    one dense value allreduce in check_every steps, and the warning once when the checks stay low."""
+    grads = health_grads(3)
+    with pytest.warns(UserWarning, match="health check") as caught:
+        checked, results = simulate(ScaleCom(ratio=0.2, beta=0.5, min_numel=MIN_NUMEL, check_every=2,
+                                             min_captured=0.9, patience=2), grads, n=3)
+    assert len([w for w in caught if "health check" in str(w.message)]) == 1
+    plain, control = simulate(ScaleCom(ratio=0.2, beta=0.5, min_numel=MIN_NUMEL), grads, n=3)
+    for a, b in zip(results, control):
+        torch.testing.assert_close(a.update, b.update, rtol=0, atol=0)
+    assert torch.equal(checked.scheme.state["w"]["memory"], plain.scheme.state["w"]["memory"])
+    assert checked.scheme.health_summary()["dense_steps"] == 0
+    assert [r.traffic.payload("value") for r in results[:4]] == [120, 24, 120, 24]
+    assert "health" not in plain.scheme.describe() and plain.scheme.health_summary() is None
+    assert not any(k.startswith("health") for r in control for k in r.diagnostics)
+
+
+@pytest.mark.filterwarnings("ignore:ScaleCom's health check")
+def test_scalecom_health_state_round_trip_mid_fallback():
+    """A state saved while a tensor falls back continues as the uninterrupted run does."""
+    grads = health_grads(2)
+    make = lambda: ScaleCom(ratio=0.2, beta=0.5, min_numel=MIN_NUMEL, **HEALTH)  # noqa: E731
+    uninterrupted, whole = simulate(make(), grads, n=2)
+    first, _ = simulate(make(), grads[:4], n=2)
+    assert first.scheme.monitor.sends_dense("w")
+    resumed = Simulator(make(), 2, named_params())
+    resumed.load_state_dict(first.state_dict())
+    rest = [resumed.step([[torch.from_numpy(g[i][name]) for name in NAMES] for i in range(2)]) for g in grads[4:]]
+    for a, b in zip(rest, whole[4:]):
+        torch.testing.assert_close(a.update, b.update, rtol=0, atol=0)
+    assert resumed.scheme.health_summary() == uninterrupted.scheme.health_summary()
+    state = first.state_dict()
+    state["scheme"]["extra"]["health"]["w"]["dense"] = "yes"
+    with pytest.raises(ValueError, match="malformed"):
+        Simulator(make(), 2, named_params()).load_state_dict(state)
+
+
+@pytest.mark.parametrize("options, argument", [
+    (dict(check_every=0), "check_every"), (dict(fallback="dense"), "check_every"),
+    (dict(check_every=2, fallback="sparse"), "fallback"), (dict(check_every=2, min_captured=1.5), "min_captured"),
+    (dict(check_every=2, patience=0), "patience"),
+    (dict(check_every=2, fallback="dense", pipelined=True), "pipelined")])
+def test_scalecom_health_options_are_checked(options, argument):
+    with pytest.raises(ValueError, match=argument):
+        ScaleCom(**options)
+
+
 # -- top-k baselines -----------------------------------------------------------------------------------
 
 def ef_reference(grads, k, beta, choose):

@@ -22,9 +22,11 @@ import math
 import torch
 
 from hvd_scalecom.config import VALUE_DTYPES, ScaleComConfig, check_dtype_name, check_int
+from hvd_scalecom.health import HealthCheck, HealthMonitor, Measures
 from hvd_scalecom.sim.base import Scheme, mean_over_workers
 from hvd_scalecom.state_checks import check_next_indices
 from hvd_scalecom.torch import clt_k
+from hvd_scalecom.torch.health import measure
 from hvd_scalecom.torch.topk import flat_indices, gtopk_merge, select_top_k_rows, shared_random_indices
 from hvd_scalecom.traffic import dtype_name
 
@@ -111,19 +113,38 @@ class ScaleCom(_SharedIndices):
     :mod:`hvd_scalecom.torch.clt_k` and :class:`hvd_scalecom.config.ScaleComConfig` with this class.
     ``pipelined=True``: step t uses the indices the leader of step t selected at step t - 1 from its
     ``p`` then, as the Horovod compressor's pipelined mode does (fresh at the first compressed step).
+    ``check_every``, ``fallback``, ``min_captured``, ``patience``: the health check and the dense
+    fallback of :mod:`hvd_scalecom.health` (a :class:`~hvd_scalecom.health.HealthCheck`; off by default),
+    measured by :func:`hvd_scalecom.torch.health.measure` as on the Horovod path; ``monitor`` holds the
+    decisions, ``health_summary()`` what the compressor's ``stats()["health"]`` holds.
     Diagnostics per step: ``overlap = |I_leader ∩ I_true| / k`` with ``I_true = top_k(|mean_i p_i|)``,
-    k-weighted over the compressed tensors, and per tensor in ``overlap_by_tensor``.
+    k-weighted over the compressed tensors, and per tensor in ``overlap_by_tensor``; at check steps
+    ``health_overlap`` and ``health_captured`` (over the tensors checked, k- and energy-weighted),
+    ``health_checks`` and ``health_by_tensor``; with checks on, ``health_dense_tensors`` (tensors the
+    fallback sends densely from the next step) at every step.
     """
 
     name = "scalecom"
 
     def __init__(self, ratio=0.01, beta=0.1, warmup_steps=0, min_numel=1024, *, leader="cyclic",
-                 selection="threshold", value_dtype=None, index_dtype="int32", pipelined=False):
+                 selection="threshold", value_dtype=None, index_dtype="int32", pipelined=False,
+                 check_every=None, fallback=None, min_captured=0.5, patience=2):
         super().__init__(ScaleComConfig(ratio=ratio, beta=beta, warmup_steps=warmup_steps,
                                         min_numel=min_numel, leader=leader, selection=selection,
                                         value_dtype=value_dtype, index_dtype=index_dtype,
                                         pipelined=pipelined))
+        self.health = HealthCheck(check_every=check_every, fallback=fallback, min_captured=min_captured,
+                                  patience=patience)
+        if self.health.fallback is not None and self.config.pipelined:
+            raise ValueError(f"fallback={self.health.fallback!r} cannot be used with pipelined=True: the "
+                             f"fallback decides at a step's end, after a pipelined step has already shared "
+                             f"the next step's indices")
         self.beta = self.config.beta
+        self.monitor = None
+
+    def bind(self, specs, n, params):
+        super().bind(specs, n, params)
+        self.monitor = HealthMonitor(self.health, [s.name for s in self.specs]) if self.health.enabled else None
 
     def state_shapes(self, spec):
         return {**super().state_shapes(spec), "ahead": (self.config.num_selected(spec.numel),)}
@@ -139,9 +160,21 @@ class ScaleCom(_SharedIndices):
             check_next_indices(spec.name, (0, value), self.config.num_selected(spec.numel),
                                spec.numel, self.config.pipelined and self.config.compresses(spec.numel))
 
+    def step(self, grads, t):
+        updates, record, diagnostics = super().step(grads, t)
+        if self.monitor is not None:
+            diagnostics["health_dense_tensors"] = sum(self.monitor.sends_dense(s.name) for s in self.specs)
+        return updates, record, diagnostics
+
     def compress(self, spec, G, t, record, diagnostics):
         n, numel = G.shape
         k = self.config.num_selected(numel)
+        check = self.health.is_check_step(t, self.config.warmup_steps)
+        falling_back = self.monitor is not None and self.monitor.sends_dense(spec.name)
+        if falling_back and not check:                                           # every entry, no indices
+            record.dense(spec.name, numel, dtype_name(self.sent_dtype(G)))
+            self.monitor.count_dense_step(spec.name)
+            return self.dense_update(spec, G)
         leader = self.config.leader_rank(t, n, spec.index)
         M = self.memory(spec, G)
         entry = self.state[spec.name]
@@ -160,13 +193,88 @@ class ScaleCom(_SharedIndices):
             hit = torch.zeros(numel, dtype=torch.bool, device=G.device)
             hit[true] = True
             _add_overlap(diagnostics, spec.name, int(hit[indices].sum()), k)
-        record.add("allreduce", "value", spec.name, k, dtype_name(self.sent_dtype(G)))
-        return self.filtered_update(spec, G, indices)
+        if not check:
+            record.add("allreduce", "value", spec.name, k, dtype_name(self.sent_dtype(G)))
+            return self.filtered_update(spec, G, indices)
+        record.add("allreduce", "value", spec.name, numel, dtype_name(self.sent_dtype(G)))  # p, densely
+        if falling_back:                                                         # a check while dense
+            self.monitor.count_dense_step(spec.name)
+            update, reduced = self.dense_update(spec, G, with_reduced=True)
+        else:                                                                    # the compressed step's own
+            update, reduced = self.checked_update(spec, G, indices)
+        measures = measure(reduced, indices, k)
+        self.monitor.record(spec.name, t, measures)
+        _add_health(diagnostics, spec.name, measures)
+        return update
+
+    def checked_update(self, spec, G, indices):
+        """A check step while compressed: every worker sends ``p`` densely, ``P = mean_i p_i``; the
+        output ``scatter(I, P[I])`` and the memory filter are those of the compressed step (skipped
+        where ``P[I]`` is not finite). Returns ``(update, P)``."""
+        n, numel = G.shape
+        M = self.memory(spec, G)
+        flat = flat_indices(indices, n, numel)
+        memory_at, values, sent = self.take_sent(M, G, flat)
+        reduced = mean_over_workers(self.sent_dense(M, G))
+        self.filter_if_finite(M, G, flat, memory_at, values, sent, reduced[indices])
+        return clt_k.scatter_dense(reduced[indices], indices, numel, G.dtype), reduced
+
+    def dense_update(self, spec, G, with_reduced=False):
+        """A fallback step: the ScaleCom step with every entry selected, ``out = P = mean_i p_i`` and
+        ``m_i <- (1 - beta) m_i`` (kept where ``P`` is not finite)."""
+        M = self.memory(spec, G)
+        reduced = mean_over_workers(self.sent_dense(M, G))
+        if clt_k.all_finite(reduced):
+            M.mul_(1.0 - self.beta)
+        else:
+            self.nonfinite_skips += 1
+        update = reduced.to(G.dtype)
+        return (update, reduced) if with_reduced else update
+
+    def sent_dense(self, M, G):
+        """Every worker's ``p_i = m_i + g_i`` as it travels densely (the value dtype), NaN on a worker
+        whose gradient is not finite."""
+        sent = clt_k.error_compensated(M.view(-1), G).view(G.shape).to(self.sent_dtype(G))
+        if not clt_k.all_finite(G):
+            sent = sent.masked_fill(~torch.isfinite(G).all(dim=1, keepdim=True), float("nan"))
+        return sent
 
     def leader_top_k(self, M, G, leader, k):
         """The leader's ``top_k(|p_j|)``, ``p_j = m_j + g_j`` (``top_k(|m_j|)`` where ``g_j`` is not
         finite), with the Horovod path's function (:func:`clt_k.select_top_k_of_sum`)."""
         return clt_k.select_top_k_of_sum(M[leader], G[leader], k, self.config.selection)
+
+    def health_summary(self):
+        """The health check's figures as the compressor's ``stats()["health"]`` holds them (None when
+        checks are off)."""
+        return None if self.monitor is None else self.monitor.summary()
+
+    def describe(self):
+        out = super().describe()
+        return {**out, "health": self.health.as_dict()} if self.health.enabled else out
+
+    def extra_state(self):
+        return {"health": self.monitor.state_dict()} if self.monitor is not None else {}
+
+    def load_extra_state(self, extra):
+        if self.monitor is not None:
+            fresh = HealthMonitor(self.health, [s.name for s in self.specs])
+            if "health" in extra:
+                fresh.load_state_dict(extra["health"])
+            self.monitor = fresh
+
+
+def _add_health(diagnostics, name, m):
+    """One check's figures into the step's diagnostics, summed over the tensors checked at this step."""
+    diagnostics["health_checks"] = diagnostics.get("health_checks", 0) + 1
+    if not m.is_finite():  # (a skipped step: as the monitor, no figures)
+        return
+    diagnostics.setdefault("health_by_tensor", {})[name] = {"overlap": m.overlap, "captured": m.captured}
+    totals = diagnostics.setdefault("_health_totals", [0, 0, 0.0, 0.0, 0.0])
+    for i, x in enumerate((m.hits, m.k, m.selected, m.topk, m.total)):
+        totals[i] += x
+    step = Measures(*totals)
+    diagnostics.update(health_overlap=step.overlap, health_captured=step.captured)
 
 
 def _add_overlap(diagnostics, name, hits, k):
