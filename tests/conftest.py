@@ -49,7 +49,6 @@ MULTIPROCESS_TESTS = {
         "test_the_kernels_outputs_are_fp32_whatever_the_default_dtype", "test_disabled_by_the_environment_variable",
         "test_processes_building_at_once_into_an_empty_cache_all_load_one_library",
         "test_a_missing_compiler_warns_and_falls_back_to_torch_operations"},
-    "test_setup_files.py": {"test_installed_horovod_has_both_frameworks_and_controllers"},
     "test_tensorflow_scalecom.py": {
         "test_huge_finite_gradients_are_sent_not_taken_for_non_finite",
         "test_an_embedding_gradient_densified_outside_tf_function_is_matched_to_its_variable",
