@@ -1,9 +1,13 @@
-"""One Python process that runs the tests' one-process snippets one after another (each in fresh
-globals), instead of a fresh Python (and a fresh import of TensorFlow and Horovod) per snippet.
+"""One Python process for many of the tests' short runs, instead of a fresh Python (and a fresh import
+of torch, TensorFlow and Horovod) for each.
 
-:func:`run_snippet` returns what a snippet printed, or fails the test with its traceback and the
-process's stderr. A snippet that ends the process (a crash, or past its time limit) fails its own test
-and the next snippet starts a new process; a snippet that raises leaves the process running.
+:func:`run_snippet` runs code in one process shared by the tests (each snippet in fresh globals) and
+returns what it printed, or fails the test with its traceback and the process's stderr. A snippet that
+ends the process (a crash, or past its time limit) fails its own test and the next snippet starts a
+new process; a snippet that raises leaves the process running.
+
+:func:`each_argv` runs a script or ``-m module`` with several argument lists in one new process
+(tests/workers/each_argv.py), as ``python SCRIPT ARGS`` would each time.
 """
 
 import atexit
@@ -49,6 +53,17 @@ def run_snippet(code, timeout=600):
     answer = json.loads(line)
     assert not answer["error"], answer["error"] + "\n" + _stderr_tail(proc)
     return answer["stdout"]
+
+
+def each_argv(target, argument_lists, cwd=None, timeout=None):
+    """``{tuple(arguments): (exit code, stdout, stderr)}`` of ``target`` (a script's path, or ``-m
+    MODULE``) run with each of ``argument_lists`` in one new Python in ``cwd``."""
+    worker = os.path.join(os.path.dirname(WORKER), "each_argv.py")
+    done = subprocess.run([sys.executable, worker, target, json.dumps([list(a) for a in argument_lists])],
+                          cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout or 300 + 60 * len(argument_lists))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return {tuple(a): (code, out, err) for a, code, out, err in json.loads(done.stdout.splitlines()[-1])}
 
 
 @atexit.register
