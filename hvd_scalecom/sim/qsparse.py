@@ -10,9 +10,10 @@ per tensor:
 3. ``m_i <- delta_i - c_i``
 4. ``x_new = x_last + mean_i c_i``; every worker restarts from ``x_new``
 
-Tensors below ``min_numel`` are averaged densely. Traffic counts the paper's bits (uncoded: per kept
-entry a ``ceil(log2 numel)``-bit index and a 32-bit value, 1 sign bit or 1 sign bit plus
-``ceil(log2(s + 1))`` level bits; a 32-bit scale per tensor), sent by allgather. Steps 1-4 are those of
+Tensors below ``min_numel`` are averaged densely. Traffic counts the paper's bits, sent by allgather:
+per kept entry a ``ceil(log2 numel)``-bit index and a 32-bit value (``top_k``), 1 sign bit
+(``sign_top_k``) or 1 sign bit and ``ceil(log2(s + 1))`` level bits (``qsgd_top_k``); a 32-bit scale
+per tensor. Steps 1-4 are those of
 :mod:`hvd_scalecom.torch.qsparse_steps`, the settings those of
 :class:`hvd_scalecom.sketched_qsparse_config.QsparseConfig`, both shared with
 :class:`hvd_scalecom.torch.QsparseLocalSGD`.
