@@ -215,7 +215,8 @@ class QsparseLocalSGD(torch.optim.Optimizer):
         """Payload bytes and compute time of synchronisation step ``step`` on this rank (default: the
         last synchronisation; other steps report zeros; the last five synchronisations are kept), with
         ScaleCom's keys: ``index_bytes`` and ``value_bytes`` (this rank's part of the payload allgather),
-        ``dense_bytes`` (the small tensors' allreduce), ``uncompressed_bytes`` (what dense synchronous
+        ``dense_bytes`` (the small tensors' allreduce, in the memory's dtype: fp32, fp64 for fp64 parameters),
+        ``uncompressed_bytes`` (what dense synchronous
         SGD would have sent in the ``local_steps`` steps since the previous synchronisation),
         ``wire_bytes`` (``(n - 1) (index + value) + 2 (n - 1) / n dense``), ``nonfinite_skips`` and
         ``total`` (all steps).
