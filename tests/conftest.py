@@ -3,7 +3,7 @@ of them through the shared jobs of tests/jobs.py (the ``horovod_jobs`` fixture).
 
 Tiers: a test that starts processes (horovodrun, or Python in a subprocess) is marked ``multiprocess``
 (here, from the fixtures it uses, or by its module); ``pytest -m "not multiprocess"`` (``make
-test-fast``) runs the others in a few minutes, ``make test`` runs everything.
+test-fast``) runs the others in a few minutes, ``make test`` runs both tiers side by side.
 ``HVD_SCALECOM_LAUNCH_LOG=<file>`` logs every ``horovodrun`` started (tests/launch_log)."""
 
 import json
@@ -49,7 +49,6 @@ MULTIPROCESS_TESTS = {
         "test_the_kernels_outputs_are_fp32_whatever_the_default_dtype", "test_disabled_by_the_environment_variable",
         "test_processes_building_at_once_into_an_empty_cache_all_load_one_library",
         "test_a_missing_compiler_warns_and_falls_back_to_torch_operations"},
-    "test_setup_files.py": {"test_installed_horovod_has_both_frameworks_and_controllers"},
     "test_tensorflow_scalecom.py": {
         "test_huge_finite_gradients_are_sent_not_taken_for_non_finite",
         "test_an_embedding_gradient_densified_outside_tf_function_is_matched_to_its_variable",
@@ -67,7 +66,13 @@ MULTIPROCESS_TESTS = {
 }
 
 
+# Modules whose jobs measure shaped network links (their rates are asserted): they run last, so that under
+# `make test` the tests beside them (the other tier, in a process of its own) have finished by then.
+LINK_MODULES = ("test_benchmarks_links_smoke.py", "test_benchmarks_perf_smoke.py", "test_benchmarks_ddp_smoke.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name in LINK_MODULES)  # (stable: the order is kept otherwise)
     for item in items:
         name = getattr(item, "originalname", item.name)
         if MULTIPROCESS_FIXTURES & set(getattr(item, "fixturenames", ())) or \

@@ -100,11 +100,25 @@ def test_soak_smoke_tensorflow(tmp_path):
     (["--ratio", "0"], 2, "argument --ratio: must be a number > 0 and <= 1, got 0"),
     (["--epochs", "3"], 1, "soak: --epochs is an option of the example that the soak does not use"),
 ])
-def test_soak_rejects_bad_arguments(arguments, code, message):
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.soak", *arguments],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == code and message in proc.stderr, proc.stderr[-2000:]
-    assert "horovodrun" not in proc.stdout + proc.stderr
+def test_soak_rejects_bad_arguments(arguments, code, message, request):
+    got, stdout, stderr = soak_outcomes(request)[tuple(arguments)]
+    assert got == code and message in stderr, stderr[-2000:]
+    assert "horovodrun" not in stdout + stderr
+
+
+_SOAK_OUTCOMES = {}
+
+
+def soak_outcomes(request):
+    """``{arguments: (exit code, stdout, stderr)}`` of ``python -m benchmarks.soak`` given each argument
+    list of test_soak_rejects_bad_arguments selected in the session, all in one Python process."""
+    from shared_python import each_argv
+
+    if not _SOAK_OUTCOMES:
+        lists = [item.callspec.params["arguments"] for item in request.session.items
+                 if getattr(item, "originalname", None) == "test_soak_rejects_bad_arguments"]
+        _SOAK_OUTCOMES.update(each_argv("-m benchmarks.soak", lists, cwd=ROOT))
+    return _SOAK_OUTCOMES
 
 
 def test_soak_worker_uses_the_examples_pipelined_and_lr_scaling(monkeypatch):
@@ -121,7 +135,12 @@ def test_soak_worker_uses_the_examples_pipelined_and_lr_scaling(monkeypatch):
 
 
 def test_run_all_list():
-    out = run_module("benchmarks.run_all", "--list", timeout=120)
+    from shared_python import each_argv
+
+    runs = each_argv("-m benchmarks.run_all", [["--list"], ["--list", "--only", "soak", "kernels"]], cwd=ROOT)
+    for code, _, stderr in runs.values():
+        assert code == 0, stderr
+    out = runs[("--list",)][1]
     for command in ("-m benchmarks.kernels --environments default 'without AVX-512'",
                     "-m benchmarks.sketch_kernels", "-m benchmarks.per_tensor",
                     "-m benchmarks.gpu_kernels --rounds 200",
@@ -131,7 +150,7 @@ def test_run_all_list():
                     "-m benchmarks.tf_index_exchange", "-m benchmarks.soak --steps 6000",
                     "-m benchmarks.soak --framework tensorflow --steps 6000"):
         assert command in out, command
-    only = run_module("benchmarks.run_all", "--list", "--only", "soak", "kernels", timeout=120)
+    only = runs[("--list", "--only", "soak", "kernels")][1]
     assert [line.split()[0] for line in only.splitlines() if line.strip()] == ["kernels", "soak"]
 
 

@@ -204,34 +204,32 @@ def bad_argument_outcomes(request, example):
     """``{arguments: (exit code, output)}`` of the example given each argument list of this test selected
     in the session: all in one Python process (tests/workers/each_argv.py), which starts torch or
     TensorFlow once, not once per list."""
-    import subprocess
-    import sys
+    from shared_python import each_argv
+
     key = (request.node.originalname, example)
     if key not in _BAD_ARGUMENT_OUTCOMES:
         lists = [item.callspec.params["arguments"] for item in request.session.items
                  if getattr(item, "originalname", None) == request.node.originalname
                  and item.callspec.params["example"] == example]
-        done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "workers", "each_argv.py"),
-                               os.path.join(ROOT, "examples", example), json.dumps(lists)],
-                              capture_output=True, text=True, timeout=300 + 60 * len(lists))
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-        _BAD_ARGUMENT_OUTCOMES[key] = {tuple(a): (c, o) for a, c, o in json.loads(done.stdout.splitlines()[-1])}
+        outcomes = each_argv(os.path.join(ROOT, "examples", example), lists)
+        _BAD_ARGUMENT_OUTCOMES[key] = {a: (c, out + err) for a, (c, out, err) in outcomes.items()}
     return _BAD_ARGUMENT_OUTCOMES[key]
 
 
 def test_the_demo_explains_its_arguments_and_refuses_compression_and_outputs():
-    import subprocess
-    import sys
-    demo = os.path.join(ROOT, "examples", "run_demo.py")
-    shown = subprocess.run([sys.executable, demo, "--help"], capture_output=True, text=True, timeout=120)
-    assert shown.returncode == 0 and "go to examples/pytorch_scalecom.py in both jobs" in shown.stdout
-    refused = subprocess.run([sys.executable, demo, "--compression", "fp16"], capture_output=True, text=True,
-                             timeout=120)
-    assert refused.returncode != 0 and "leave --compression out" in refused.stderr
-    bad = subprocess.run([sys.executable, demo, "--epochs", "0"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "argument --epochs: must be a positive integer, got 0" in bad.stderr
-    assert "horovodrun" not in bad.stdout  # (refused before its first job started)
-    for arguments in (["--result", "x.json"], ["--checkpoint=ckpt"], ["--resume"], ["--tensorboard", "tb"]):
-        refused = subprocess.run([sys.executable, demo, *arguments], capture_output=True, text=True, timeout=120)
+    from shared_python import each_argv
+
+    passed_on = (["--result", "x.json"], ["--checkpoint=ckpt"], ["--resume"], ["--tensorboard", "tb"])
+    runs = each_argv(os.path.join(ROOT, "examples", "run_demo.py"),  # (one Python for all the lists)
+                     [["--help"], ["--compression", "fp16"], ["--epochs", "0"], *passed_on])
+    code, stdout, _ = runs[("--help",)]
+    assert code == 0 and "go to examples/pytorch_scalecom.py in both jobs" in stdout
+    code, _, stderr = runs[("--compression", "fp16")]
+    assert code != 0 and "leave --compression out" in stderr
+    code, stdout, stderr = runs[("--epochs", "0")]
+    assert code == 2 and "argument --epochs: must be a positive integer, got 0" in stderr
+    assert "horovodrun" not in stdout  # (refused before its first job started)
+    for arguments in passed_on:
+        code, _, stderr = runs[tuple(arguments)]
         name = arguments[0].split("=")[0]
-        assert refused.returncode != 0 and f"cannot pass {name} on: both of its jobs" in refused.stderr
+        assert code != 0 and f"cannot pass {name} on: both of its jobs" in stderr

@@ -540,14 +540,11 @@ def test_make_train_step_scales_the_loss_as_keras_train_step_does():
 
 
 def one_rank(code, *prefixes):
-    """Runs ``code`` in a fresh Python (a one-rank Horovod job after its ``hvd.init()``); returns the
-    lines of its output that start with one of ``prefixes``."""
-    import subprocess
-    import sys
+    """Runs ``code`` in the tests' shared Python (tests/shared_python.py: a one-rank Horovod job after
+    its first ``hvd.init()``); returns the lines it printed that start with one of ``prefixes``."""
+    from shared_python import run_snippet
 
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [ln for ln in done.stdout.splitlines() if ln.startswith(prefixes)]
+    return [ln for ln in run_snippet(code).splitlines() if ln.startswith(prefixes)]
 
 
 def test_a_gradient_that_bypasses_compress_is_an_error_at_the_next_step():

@@ -262,8 +262,11 @@ def test_one_rank_and_float64_parameters_match_the_simulator(horovod_jobs):
     stats = json.loads(str(wide[0]["stats/1"]))
     assert (stats["index_bytes"], stats["value_bytes"], stats["dense_bytes"]) == \
         (4 * (154 + 32), 8 * (154 + 32), 8 * (64 + 10))
+    from pathlib import Path
+
     from hvd_scalecom.torch import qsparse_local_sgd  # as the docs say
-    assert "fp64, 8 bytes, for fp64 parameters" in qsparse_local_sgd.__doc__
+    guide = (Path(__file__).resolve().parent.parent / "docs" / "other-schemes.md").read_text()
+    assert "`top_k` sends them in the memory's dtype\n  (fp32; fp64 for fp64 parameters)" in guide
     assert "fp32, fp64 for fp64 parameters" in qsparse_local_sgd.QsparseLocalSGD.stats.__doc__
 
 

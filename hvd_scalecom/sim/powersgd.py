@@ -3,16 +3,9 @@
 Per matrix-shaped gradient (viewed as ``shape[0] x prod(shape[1:])``), with error feedback ``e_i``:
 ``M_i = g_i + e_i``; ``P = mean_i M_i Q`` (allreduce 1); ``P_hat = orthogonalise(P)``;
 ``Q <- mean_i M_i^T P_hat`` (allreduce 2); every worker applies ``P_hat Q^T``; ``e_i <- M_i - P_hat Q^T``.
-``Q`` is kept for the next step (warm start); it starts i.i.d. standard normal from a shared seed. A
-``Q`` with a column of zeros (all-zero gradients: a zero-initialised layer's first step, a parameter
-without a gradient) or a non-finite entry is not kept, since ``M Q`` would then stay zero in that column
-at every later step: the next step starts from the previous ``Q`` again.
-A step whose ``P_hat Q^T`` is not finite (a worker's non-finite gradient reaches it through the
-allreduces) is applied, and leaves every ``e_i`` as it was (counted in ``nonfinite_skips``).
-Vectors (biases), tensors below ``min_numel`` and matrices where rank r would not compress
-(the factors' bytes, fp32 or wider, at least the dense gradient's: ``(rows + cols) r 4 >= rows cols 2``
-for fp16) are allreduced densely. (PyTorch's PowerSGD hook asks more by
-default: its ``min_compression_rate=2`` wants ``(rows + cols) r`` at most half of ``rows cols``.)
+``Q`` is kept for the next step (warm start) and starts i.i.d. standard normal from a shared seed.
+Vectors, tensors below ``min_numel`` and matrices where rank r would not compress are allreduced
+densely. The guide (docs/other-schemes.md) gives the edge cases.
 """
 
 import torch

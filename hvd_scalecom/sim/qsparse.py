@@ -1,29 +1,20 @@
 """Qsparse-local-SGD (Basu, Data, Karakus, Diggavi, NeurIPS 2019, Alg. 1, synchronous) for the simulator.
 
 Terms: ``x_i`` worker i's local model, ``x_last`` the shared model of the last synchronisation, ``H``
-local steps between synchronisations, ``m_i`` worker i's error memory on the model delta.
-
-Every step, every worker runs a local SGD step ``x_i <- x_i - lr * b_i`` (``b_i <- mu b_i + g_i``, plain
-SGD when ``mu = 0``). Every H-th step, per tensor:
+local steps between synchronisations, ``m_i`` worker i's error memory on the model delta. Every step,
+every worker runs a local SGD step ``x_i <- x_i - lr * b_i`` (``b_i <- mu b_i + g_i``). Every H-th step,
+per tensor:
 
 1. ``delta_i = m_i + (x_i - x_last)``
 2. ``c_i = Q(Top_k(delta_i))``, Q one of the operators of :mod:`hvd_scalecom.torch.quantize`
 3. ``m_i <- delta_i - c_i``
 4. ``x_new = x_last + mean_i c_i``; every worker restarts from ``x_new``
 
-A worker whose ``delta_i`` is not finite sends NaN, so ``mean_i c_i`` is not finite: ``x_new`` carries it
-and every worker keeps its memory (counted in ``nonfinite_skips``), as on Horovod.
-
-Bits, as the paper counts them per worker and synchronisation (uncoded; the authors' code moved the
-sparse tensor in a dense allreduce, so the savings were accounted, not realised): each kept entry's
-index ``ceil(log2 numel)`` bits; its value 32 bits (TopK), 1 sign bit (SignTopK) or 1 sign bit plus
-``ceil(log2(s + 1))`` level bits (QSGD-TopK, levels 0..s); plus one 32-bit scale per tensor (the
-``||.||_1 / k`` of SignTopK, the ``||.||_2`` of QSGD). Workers have their own indices, so the packed
-payloads travel by allgather (``(n - 1) * payload`` sent per worker). Tensors below ``min_numel`` are
-averaged densely in fp32 at each synchronisation.
-
-Steps 1-4 are those of :mod:`hvd_scalecom.torch.qsparse_steps` (each worker's ``c_i`` through the wire
-form and back, as on Horovod) and the settings are checked by
+Tensors below ``min_numel`` are averaged densely. Traffic counts the paper's bits, sent by allgather:
+per kept entry a ``ceil(log2 numel)``-bit index and a 32-bit value (``top_k``), 1 sign bit
+(``sign_top_k``) or 1 sign bit and ``ceil(log2(s + 1))`` level bits (``qsgd_top_k``); a 32-bit scale
+per tensor. Steps 1-4 are those of
+:mod:`hvd_scalecom.torch.qsparse_steps`, the settings those of
 :class:`hvd_scalecom.sketched_qsparse_config.QsparseConfig`, both shared with
 :class:`hvd_scalecom.torch.QsparseLocalSGD`.
 """

@@ -1,37 +1,19 @@
 """Sketched SGD (Ivkin, Rothchild, Ullah, Braverman, Stoica, Arora, NeurIPS 2019, Alg. 1) for the simulator.
 
-Terms: ``u_i`` momentum and ``v_i`` error accumulation of worker i (their Alg. 1's u and v), ``S(.)`` an
-``r x c`` count sketch (:mod:`hvd_scalecom.torch.sketch`), ``P`` the candidate factor.
-
-Per step, on the compressed coordinates (all matrices and higher-order tensors with
-``numel >= min_numel`` concatenated into one vector, as the paper sketches the model's gradient;
-vectors such as biases and small tensors go uncompressed):
+Terms: ``u_i`` momentum and ``v_i`` error accumulation of worker i, ``S(.)`` an ``r x c`` count sketch
+(:mod:`hvd_scalecom.torch.sketch`), ``P`` the candidate factor. Per step, on the sketched coordinates
+(matrices and higher-order tensors with ``numel >= min_numel``, concatenated into one vector):
 
 1. ``u_i <- rho u_i + g_i``; ``v_i <- v_i + u_i``
-2. round 1: allreduce of the sketches, ``S = sum_i S(v_i)``, computed as ``S(sum_i v_i)`` (the sketch
-   is linear; the authors' simulation takes the same shortcut)
-3. the ``P k`` coordinates with the largest estimated ``|sum_i v_i|`` are the heavy-hitter candidates
-4. round 2: allreduce of the ``P k`` exact values ``sum_i v_i[candidates]``; keep the top k of them, ``I``
+2. round 1: ``S = sum_i S(v_i)``, computed as ``S(sum_i v_i)`` (the sketch is linear)
+3. the ``P k`` coordinates of largest estimated ``|sum_i v_i|`` are the candidates
+4. round 2: their exact sums ``sum_i v_i[candidates]``; the top k of them, ``I``, are kept
 5. every worker applies ``scatter(I, sum_i v_i[I]) / n`` and zeroes ``u_i[I]`` and ``v_i[I]``
 
-A non-finite ``S`` (a NaN or Inf in some worker's gradient) skips steps 3-5, as on Horovod: the update is
-NaN and the non-finite entries of ``u_i`` and ``v_i`` are reset to 0 (counted in ``nonfinite_skips``);
-so are a dense tensor's (applied as they are, NaN included).
-
-Uncompressed tensors get the same momentum and are applied densely (``mean_i u_i``, each ``u_i`` cast to
-the gradient's dtype for the wire as on Horovod: an fp16 sum beyond 65,504 is Inf); in warm-up the
-sketched tensors' ``u_i`` travel together, as on Horovod in their dtypes promoted (an fp16 matrix beside
-an fp32 one as fp32). The learning rate
-is the caller's: the paper's ``v <- v + lr u`` equals this with a constant learning rate. The caller's
-optimizer should therefore run without momentum of its own.
-
-Traffic counts what the algorithm sends (the sketch, the ``P k`` candidates, the dense momentum). The
-Horovod compressor's ``stats()`` adds a one-entry probe per sketched tensor, which Horovod's
-compress/decompress contract makes it send (an entry of the gradient's wire dtype each), not counted here.
-
-The equations are those of :mod:`hvd_scalecom.torch.sketched_steps` and the settings are checked and
-derived (which tensors are sketched, k, c, P k) by :class:`hvd_scalecom.sketched_qsparse_config.SketchedSGDConfig`,
-both shared with the Horovod compressor :class:`hvd_scalecom.torch.SketchedSGD`.
+Other tensors are applied densely with the same momentum, ``mean_i u_i``. The equations are those of
+:mod:`hvd_scalecom.torch.sketched_steps`, the settings those of
+:class:`hvd_scalecom.sketched_qsparse_config.SketchedSGDConfig`, both shared with the Horovod
+compressor :class:`hvd_scalecom.torch.SketchedSGD`.
 """
 
 import functools

@@ -14,10 +14,8 @@ def per_worker_gradients(model, loss_fn, worker_params, inputs, targets, names=N
         all of ``model.named_parameters()``. Parameters left out (say, frozen layers the Simulator was
         not given) keep the model's own values and get no gradient. ValueError where the count or a
         shape does not match, or where ``inputs`` or ``targets`` do not hold n batches.
-    Buffers are the model's own, shared by all workers and read only: a model that updates them in
-    its forward pass (batch norm in training mode) is refused; call ``model.eval()`` first.
-    Random operations (dropout in training mode) draw independently for each worker, from torch's
-    global generator: each worker has its own dropout mask, used in its forward and backward pass.
+    Buffers are shared by all workers and read only (batch norm in training mode is refused: call
+    ``model.eval()``); dropout draws each worker's own mask from torch's global generator.
     """
     if model.training and any(isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats
                               for m in model.modules()):

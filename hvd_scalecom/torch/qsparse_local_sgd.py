@@ -1,39 +1,21 @@
 """Qsparse-local-SGD (Basu, Data, Karakus, Diggavi, NeurIPS 2019, Alg. 1, synchronous) on Horovod: a
 wrapper around any ``torch.optim`` optimizer, used *without* ``hvd.DistributedOptimizer``.
 
-Every ``step()`` runs the wrapped optimizer locally (``x_i`` drifts from the shared model). Every H-th
-step (``local_steps``) ends with a synchronisation, per tensor, with the equations of
+Every ``step()`` runs the wrapped optimizer locally (``x_i`` drifts from the shared model); every H-th
+(``local_steps``) then synchronises each tensor with the equations of
 :mod:`hvd_scalecom.torch.qsparse_steps` (those of the simulator, :class:`hvd_scalecom.sim.QsparseLocalSGD`):
 
 1. ``delta_i = m_i + (x_i - x_last)``; ``c_i = Q(Top_k(delta_i))``; ``m_i <- delta_i - c_i``
-2. every rank's ``(I_i, c_i)`` in their wire form travel in one ``allgather`` of bytes
-   (``allgather.qsparse_local_sgd.payload``), all tensors packed together
-3. ``x_new = x_last + mean_i c_i`` (summed in rank order, so identical on every rank); every rank
-   restarts from ``x_new``. A rank whose ``delta_i`` is not finite sends NaN: ``x_new`` carries it and
-   every rank keeps its memory of that tensor (``stats()["nonfinite_skips"]``), as in the simulator.
+2. every rank's ``(I_i, c_i)``, in their wire form, travel in one ``allgather`` of bytes
+   (``qsparse_local_sgd.payload``), all tensors packed together
+3. ``x_new = x_last + mean_i c_i`` (summed in rank order, so identical on every rank)
 
-Tensors below ``min_numel`` are averaged densely instead (``x_new = mean_i x_i``, one grouped
-allreduce, ``qsparse_local_sgd.dense``). The wrapped optimizer's own state (momentum buffers, Adam
-moments) stays local, as in the paper.
+Tensors below ``min_numel`` are averaged densely (one grouped allreduce, ``qsparse_local_sgd.dense``).
+The wrapped optimizer's state (momentum, Adam moments) stays local, as in the paper.
 
-Collectives and deadlock: all of them are issued from ``step()``, which every rank calls in the same
-sequence, in a fixed order (the configuration check at the first step, then per synchronisation the
-dense allreduce and the payload allgather, both posted before either is waited for), under fixed names.
-Nothing runs in autograd hooks, and no collective depends on what one rank alone did (such as
-restoring a state): instead each payload starts with a 16-byte header, the rank's step and a checksum
-of its ``x_last`` (the sum of its bit patterns as integers: exact, whatever the order of summation),
-which every rank compares after the allgather, all raising alike on ranks at different steps or from
-different models.
-
-What travels (bytes per rank and synchronisation, counted in :meth:`QsparseLocalSGD.stats`): per
-compressed tensor the k indices (int32, int64 above 2**31 entries) and the values: ``top_k`` in the
-memory's dtype (fp32, 4 bytes each; fp64, 8 bytes, for fp64 parameters), ``sign_top_k`` 1 byte each
-(int8 sign) + a scale, ``qsgd_top_k`` 1, 2 or 4 bytes each (the signed level, int8 for s <= 127, int16
-for s <= 32767) + a norm (scale and norm in the memory's dtype too). This realises the savings
-with byte-aligned fields; the paper's bit counts (``ceil(log2 numel)``-bit indices, 1-bit signs, what
-the simulator reports) would need bit packing. The authors' code moved the sparse tensor in a dense
-allreduce instead, which saves nothing on the wire. An allgather grows with n: each rank sends
-``(n - 1)`` times its payload in a ring. (The 16-byte header above is not counted.)
+Every collective is issued from ``step()``, in a fixed order under fixed names; each payload starts with
+a 16-byte header, the rank's step and a checksum of its ``x_last``, which every rank compares after the
+allgather. The guide (docs/other-schemes.md) gives the bytes on the wire and the caveats.
 """
 
 import time
@@ -98,15 +80,8 @@ class QsparseLocalSGD(torch.optim.Optimizer):
             loss_fn(model(x), y).backward()
             optimizer.step()            # every 8th step synchronises the model
 
-    With ``torch.amp.GradScaler``, ``scaler.step(optimizer)`` calls ``step()`` at every iteration: an
-    iteration whose gradients are not finite takes no local step but still counts, so that every rank
-    synchronises at the same iterations (a rank whose step the scaler skipped would otherwise
-    synchronise one iteration late, and at the end of a loop wait for ranks already gone).
-
-    To broadcast the local optimizer's state, call ``hvd.broadcast_optimizer_state(local, 0)`` on
-    the local optimizer, before wrapping it: given this wrapper while the local optimizer has no
-    state yet, Horovod calls ``step()`` to make some, and that would count as a local step here
-    (every later synchronisation then comes one step early).
+    With ``torch.amp.GradScaler``, ``scaler.step(optimizer)`` calls ``step()`` at every iteration;
+    broadcast the local optimizer's state before wrapping it (docs/other-schemes.md says why).
     """
 
     # torch.amp.GradScaler.step then calls step() at every iteration, with found_inf and grad_scale set
@@ -190,14 +165,10 @@ class QsparseLocalSGD(torch.optim.Optimizer):
                          "groups to the local optimizer before wrapping it")
 
     def step(self, closure=None):
-        """One local step of the wrapped optimizer; every ``local_steps``-th also synchronises. Where
-        the ranks synchronise from different steps or models, every rank raises a ValueError, this
-        wrapper's state (step, ``x_last``, memories, QSGD's generator) left as it was before the
-        call; the local optimizer's step has been taken (restore a checkpoint on every rank). Where the
-        first step's configuration check refuses it, nothing has changed (no local step either): fix
-        the cause, e.g. broadcast the model, and step again. Called by ``torch.amp.GradScaler.step``
-        (``found_inf`` and ``grad_scale`` set), the local step is skipped where the gradients are not
-        finite, and otherwise takes them divided by ``grad_scale`` (as ``scaler.unscale_`` would)."""
+        """One local step of the wrapped optimizer; every ``local_steps``-th also synchronises. Ranks
+        that synchronise from different steps or models all raise a ValueError, this wrapper's state left
+        as it was (the local step has been taken). Called by ``torch.amp.GradScaler.step``
+        (``found_inf``, ``grad_scale``), a non-finite iteration takes no local step but counts."""
         try:
             return self._step_once(closure, getattr(self, "found_inf", None), getattr(self, "grad_scale", None))
         except BaseException:
@@ -242,19 +213,13 @@ class QsparseLocalSGD(torch.optim.Optimizer):
 
     def stats(self, step=None):
         """Payload bytes and compute time of synchronisation step ``step`` on this rank (default: the
-        last synchronisation; other steps send nothing and report zeros). The steps of the last five
-        synchronisations are kept; an earlier one is a ValueError (``total`` counts every step).
-
-        Keys as ScaleCom's: ``step``, ``index_bytes`` and ``value_bytes`` (this rank's part of the
-        payload allgather: indices; values, signs or levels and the per-tensor scale), ``dense_bytes``
-        (the small tensors' allreduce, in the memory's dtype: fp32, fp64 for fp64 parameters),
-        ``sent_bytes`` (their sum), ``uncompressed_bytes`` (what dense synchronous SGD would have handed
-        over in the ``local_steps`` steps since the previous synchronisation; bfloat16 as the float32
-        Horovod would take), ``ratio``,
-        ``compress_seconds`` (compression and decoding), ``index_wait_seconds`` (0), ``tensors``;
-        ``wire_bytes``: what this rank sends in the ring collectives, ``(n - 1) (index + value) +
-        2 (n - 1) / n dense``; ``nonfinite_skips``: compressed tensor-synchronisations whose memory
-        update a non-finite mean skipped, over all steps; ``total``: all steps.
+        last synchronisation; other steps report zeros; the last five synchronisations are kept), with
+        ScaleCom's keys: ``index_bytes`` and ``value_bytes`` (this rank's part of the payload allgather),
+        ``dense_bytes`` (the small tensors' allreduce, in the memory's dtype: fp32, fp64 for fp64 parameters),
+        ``uncompressed_bytes`` (what dense synchronous
+        SGD would have sent in the ``local_steps`` steps since the previous synchronisation),
+        ``wire_bytes`` (``(n - 1) (index + value) + 2 (n - 1) / n dense``), ``nonfinite_skips`` and
+        ``total`` (all steps).
         """
         explicit = step is not None  # (a default step is never refused)
         if step is None:
