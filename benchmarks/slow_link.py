@@ -108,6 +108,8 @@ DEFAULT_JOBS = ["dense", "fp16", 'scalecom:{"ratio": 0.01}', 'scalecom:{"ratio":
                 "ddp_dense", "ddp_fp16", 'ddp_powersgd:{"ratio": 0.01}', 'ddp_scalecom:{"ratio": 0.01}']
 SCALECOM_DEFAULTS = {"selection": "threshold"}  # the exact top-k set, found faster
 LINKS = ("per-worker", "shared-loopback")
+UNSHAPED = "unshaped"  # a rate: links (or the shared loopback) at the speed the machine gives them
+RATES = (*SHAPES, UNSHAPED)
 
 
 def _ip(*args, check=True):
@@ -116,15 +118,19 @@ def _ip(*args, check=True):
 
 @contextlib.contextmanager
 def shaped_namespace(rate):
-    """A fresh network namespace whose loopback is shaped to ``rate``; removed on exit."""
+    """A fresh network namespace whose loopback is shaped to ``rate`` (left as it is for ``UNSHAPED``);
+    removed on exit."""
     name = f"{PREFIX}{os.getpid()}_{rate}"
     made = _ip("netns", "add", name, check=False)
     if made.returncode != 0:
         raise RuntimeError(f"ip netns add {name} failed: {made.stderr.strip()}")
     try:
         # (namespaces work here: a failure now is an error, not a skip)
-        cluster_links.ip("-n", name, "link", "set", "lo", "mtu", str(MTU), "up")
-        cluster_links.shape(name, "lo", rate)
+        if rate == UNSHAPED:  # (the loopback as a machine has it, its MTU too)
+            cluster_links.ip("-n", name, "link", "set", "lo", "up")
+        else:
+            cluster_links.ip("-n", name, "link", "set", "lo", "mtu", str(MTU), "up")
+            cluster_links.shape(name, "lo", rate)
         yield name
     finally:
         cluster_links.remove_namespace(name)
@@ -248,6 +254,13 @@ def job(text):
     return text
 
 
+def section_name(text):
+    """An argparse ``type``: a section's name, letters, digits and ``_`` only (it names a file too)."""
+    if not text or not all(c.isalnum() or c == "_" for c in text):
+        raise argparse.ArgumentTypeError(f"must be letters, digits and _ only, got {text!r}")
+    return text
+
+
 def widths(text):
     """An argparse ``type``: the MLP's layer widths, ``IN,HIDDEN,...,OUT``, at least two, each >= 1."""
     try:
@@ -321,7 +334,7 @@ def network(link, rate, workers):
     """Per-worker links for up to ``workers`` workers (at least 2, for the calibration's stream), or
     one namespace with a shaped loopback; removed on exit."""
     if link == "per-worker":
-        with cluster_links.cluster(rate, max(2, workers), tag=rate) as c:
+        with cluster_links.cluster(None if rate == UNSHAPED else rate, max(2, workers), tag=rate) as c:
             yield c
     else:
         with shaped_namespace(rate) as ns:
@@ -399,7 +412,7 @@ def each_worker(r):
 
 
 def _link_text(args, links):
-    shapes = ", ".join(f"{SHAPES[k][0]} at {k}" for k in links)
+    shapes = ", ".join(f"{SHAPES[k][0]} at {k}" for k in links if k in SHAPES) or "none: unshaped"
     measured = ", ".join(f"{v:.2f} Gbit/s at {k}" for k, v in links.items())
     if args.link == "per-worker":
         return (f"Each worker runs in its own network namespace with its own link (a veth pair, MTU {MTU}) "
@@ -410,6 +423,11 @@ def _link_text(args, links):
                 "server on the bridge, one host per worker. Bytes: each worker's link counters over the "
                 "timed steps, per step (TCP/IP headers and Horovod's own coordination messages included); "
                 "the wire column is their mean over the workers")
+    if set(links) == {UNSHAPED}:
+        return (f"All workers share one loopback, not shaped (as on one machine with no network cost); a single "
+                f"TCP stream of {args.calibrate_bytes >> 20} MiB measured {measured}. Bytes: the namespace's `lo` "
+                "`tx_bytes` over the timed steps, per step and worker (TCP/IP headers and Horovod's own "
+                "coordination messages included)")
     return (f"All workers share one loopback shaped by `tc tbf` (MTU {MTU}; bucket {shapes}), so the rate "
             f"is divided among them; a single TCP stream of {args.calibrate_bytes >> 20} MiB measured "
             f"{measured}. Bytes: the namespace's `lo` `tx_bytes` over the timed steps, per step and worker "
@@ -427,7 +445,9 @@ def _ddp_text(args):
 
 
 def markdown(rows, links, args, command, plot, load):
-    title = "one shaped link per worker" if args.link == "per-worker" else "one shaped loopback shared by all workers"
+    shaped = "" if set(links) == {UNSHAPED} else "shaped "
+    title = (f"one {shaped}link per worker" if args.link == "per-worker"
+             else f"one {shaped}loopback shared by all workers")
     lines = [
         f"## Slow link{'' if args.framework == 'torch' else ', TensorFlow'}: step time of Horovod jobs, {title}",
         "",
@@ -547,7 +567,8 @@ def main(argv=None):
     ap.add_argument("--link", choices=LINKS, default="per-worker",
                     help="per-worker: each worker its own shaped link (default); shared-loopback: one shaped "
                          "loopback for all workers")
-    ap.add_argument("--rates", nargs="+", default=None, choices=list(SHAPES), help="per link")
+    ap.add_argument("--rates", nargs="+", default=None, choices=list(RATES),
+                    help=f"per link; {UNSHAPED}: not shaped (what the step costs where the network is free)")
     ap.add_argument("--workers", type=COUNT, nargs="+", default=None)
     ap.add_argument("--models", nargs="+", choices=MODELS, default=None,
                     help="default: all (mlp in --smoke)")
@@ -566,6 +587,10 @@ def main(argv=None):
     ap.add_argument("--timeout", type=SECONDS, default=900)
     ap.add_argument("--out", type=output_file, default=None,
                     help="default: docs/performance.md (a temporary file in --smoke)")
+    ap.add_argument("--section", type=section_name, default=None,
+                    help="the section of --out written (between its <!-- NAME:begin/end --> markers), and the "
+                         "plot's default name (default: slow_link, slow_link_tensorflow), so that runs of other "
+                         "rates or models keep their own tables")
     ap.add_argument("--plot", type=output_file, default=None,
                     help="PNG path (default: docs/slow_link.png, docs/slow_link_tensorflow.png; none in --smoke)")
     args = ap.parse_args(argv)
@@ -605,7 +630,7 @@ def main(argv=None):
     except JobFailed as why:
         print(f"slow_link: failed: {why}", file=sys.stderr, flush=True)
         return 1
-    section = "slow_link" if args.framework == "torch" else f"slow_link_{args.framework}"
+    section = args.section or ("slow_link" if args.framework == "torch" else f"slow_link_{args.framework}")
     plot = None if smoke and args.plot is None else (args.plot or os.path.join(ROOT, "docs", f"{section}.png"))
     command = " ".join(["python -m benchmarks.slow_link", *map(shlex.quote, shown_arguments(
         sys.argv[1:] if argv is None else argv))])
