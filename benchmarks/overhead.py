@@ -107,7 +107,8 @@ def markdown(results, args, command):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    ap.add_argument("--smoke", action="store_true", help="tiny CNN, 1 warm-up and 2 timed rounds, into a temp dir")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny CNN, dense and ScaleCom 0.01, 1 warm-up and 2 timed rounds, into a temp dir")
     ap.add_argument("--frameworks", nargs="+", choices=FRAMEWORKS, default=list(FRAMEWORKS))
     ap.add_argument("--model", choices=MODELS, default="resnet18")
     ap.add_argument("--model-size", choices=SIZES, default=None, help="default: full (tiny in --smoke)")
@@ -122,7 +123,7 @@ def main(argv=None):
                     help="default: docs/performance.md (a temporary file in --smoke)")
     args = ap.parse_args(argv)
     args.model_size = args.model_size or ("tiny" if args.smoke else "full")
-    args.jobs = args.jobs or [job(j) for j in DEFAULT_JOBS]
+    args.jobs = args.jobs or [job(j) for j in (["dense", 'scalecom:{"ratio": 0.01}'] if args.smoke else DEFAULT_JOBS)]
     args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 3)
     args.steps = args.steps or (2 if args.smoke else 20)
     if len({json.dumps(j, sort_keys=True) for j in args.jobs}) < len(args.jobs):

@@ -134,7 +134,7 @@ def test_slow_link_unshaped_report_says_so():
 
 def test_overhead_smoke(tmp_path):
     """Both frontends on the tiny CNN, the schemes taking turns: every scheme and the floor get a row
-    in each frontend's table, ScaleCom with its compress time (no timing asserted)."""
+    in each frontend's table, ScaleCom on PyTorch with its compress time (no timing asserted)."""
     out = tmp_path / "performance.md"
     out.write_text("# Performance\n\nkept\n")
     run_smoke("benchmarks.overhead", out, timeout=600)
@@ -143,10 +143,12 @@ def test_overhead_smoke(tmp_path):
     for frontend in ("PyTorch", "TensorFlow"):
         at = text.index(f"### {frontend}: ResNet-18 (4 base channels)")
         table = [line.split("|")[1:-1] for line in text[at:].splitlines()[4:8]]
-        assert [c[0].strip() for c in table] == ["no communication (floor)", "dense", "Horovod fp16", "ScaleCom 0.01"]
-        cells = {c[0].strip(): [x.strip() for x in c[1:]] for c in table}
+        assert [c[0].strip() for c in table[:3]] == ["no communication (floor)", "dense", "ScaleCom 0.01"], table
+        assert not table[3] or not table[3][0].strip(), "a row too many"
+        cells = {c[0].strip(): [x.strip() for x in c[1:]] for c in table[:3]}
         assert cells["dense"][1] == "1.000" and cells["no communication (floor)"][2] == "1.00x"
-        assert float(cells["ScaleCom 0.01"][0]) > 0 and float(cells["ScaleCom 0.01"][3]) > 0
+        assert float(cells["ScaleCom 0.01"][0]) > 0 and float(cells["ScaleCom 0.01"][1]) > 0
+        assert (float(cells["ScaleCom 0.01"][3]) > 0) if frontend == "PyTorch" else cells["ScaleCom 0.01"][3] == ""
 
 
 def test_overhead_refuses_a_bad_job():
