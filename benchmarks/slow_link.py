@@ -22,6 +22,12 @@ section of its own (``slow_link_tensorflow``) and docs/slow_link_tensorflow.png:
         --workers 2 4 --models mlp resnet18 transformer --jobs dense fp16 'scalecom:{"ratio": 0.01}' \
         'scalecom:{"ratio": 0.01, "pipelined": true}'
 
+``--section NAME`` writes the tables into the section NAME of ``--out`` (and the plot to
+``docs/NAME.png``), so that runs split by model, worker count or rate keep their own tables, e.g.
+``--section slow_link_resnet18 --models resnet18``. ``--rates unshaped`` leaves the links (or the
+shared loopback) as they are: the step where the network is free (``benchmarks.overhead`` measures
+that with the schemes taking turns step by step in one job).
+
 On a 2-core machine the 10 Gbit/s links are not reached: one Python TCP stream between two worker
 namespaces made about 8 Gbit/s there, and two at once about 6 each, unshaped as well as shaped (the
 CPU is the limit), and 4 workers share 2 cores with their own computation.

@@ -123,7 +123,7 @@ def test_soak_worker_uses_the_examples_pipelined_and_lr_scaling(monkeypatch):
 def test_run_all_list():
     out = run_module("benchmarks.run_all", "--list", timeout=120)
     for command in ("-m benchmarks.kernels --environments default 'without AVX-512'",
-                    "-m benchmarks.sketch_kernels", "-m benchmarks.per_tensor",
+                    "-m benchmarks.sketch_kernels", "-m benchmarks.per_tensor", "-m benchmarks.overhead",
                     "-m benchmarks.gpu_kernels --rounds 200",
                     "-m benchmarks.slow_link", "-m benchmarks.scale --dense",
                     "-m benchmarks.scalecom_options",
