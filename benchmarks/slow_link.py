@@ -471,7 +471,8 @@ def markdown(rows, links, args, command, plot, load):
         f"this {os.cpu_count()}-core machine). ScaleCom runs with "
         f"`{json.dumps(SCALECOM_DEFAULTS)}` (the exact top-k set) plus any options shown. Index wait: "
         "rank 0's waits for the leader's indices (ScaleCom) or for its two rounds' allreduces (Sketched "
-        "SGD), which its compress time leaves out. " + (_ddp_text(args) if any(
+        "SGD), which its compress time leaves out (PyTorch workers only: TensorFlow's `stats()` time each tensor's "
+        "span in the step's graph, where the tensors' work interleaves). " + (_ddp_text(args) if any(
             r["compressor"].startswith("ddp_") for r in rows) else "") + "Load "
         f"average of the machine (the jobs' own workers included): {load[0]:.1f} at the start, "
         f"{load[1]:.1f} at the end.",
@@ -495,7 +496,9 @@ def markdown(rows, links, args, command, plot, load):
             speed = f"{dense['median_step_seconds'] / step:.2f}x" if dense else "n/a"
             wire = per_worker_bytes(r)
             wire_vs = f"{wire / per_worker_bytes(dense):.4f}" if dense else "n/a"
-            cs = r.get("compressor_stats", {})
+            # (TensorFlow's stats() time each tensor's span in the step's graph, where the tensors'
+            # work interleaves: their sum is no share of the step, and is left out)
+            cs = r.get("compressor_stats", {}) if r.get("framework", "torch") == "torch" else {}
             wait = f"{1e3 * cs['index_wait_seconds']:.1f}" if "index_wait_seconds" in cs else ""
             comp = f"{1e3 * cs['compress_seconds']:.1f}" if "compress_seconds" in cs else ""
             lines.append(f"| {r['rate']} | {r['workers']} | {r['label']} | {1e3 * step:.1f} | {vs} | {speed} | "
