@@ -25,6 +25,7 @@ BENCHMARKS = {
     "kernels": ("kernels", ["--environments", "default", "without AVX-512"]),
     "sketch_kernels": ("sketch_kernels", []),
     "per_tensor": ("per_tensor", []),
+    "overhead": ("overhead", []),
     "gpu_kernels": ("gpu_kernels", ["--rounds", "200"]),
     "slow_link": ("slow_link", []),
     "scale": ("scale", ["--dense"]),

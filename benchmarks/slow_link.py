@@ -22,6 +22,12 @@ section of its own (``slow_link_tensorflow``) and docs/slow_link_tensorflow.png:
         --workers 2 4 --models mlp resnet18 transformer --jobs dense fp16 'scalecom:{"ratio": 0.01}' \
         'scalecom:{"ratio": 0.01, "pipelined": true}'
 
+``--section NAME`` writes the tables into the section NAME of ``--out`` (and the plot to
+``docs/NAME.png``), so that runs split by model, worker count or rate keep their own tables, e.g.
+``--section slow_link_resnet18 --models resnet18``. ``--rates unshaped`` leaves the links (or the
+shared loopback) as they are: the step where the network is free (``benchmarks.overhead`` measures
+that with the schemes taking turns step by step in one job).
+
 On a 2-core machine the 10 Gbit/s links are not reached: one Python TCP stream between two worker
 namespaces made about 8 Gbit/s there, and two at once about 6 each, unshaped as well as shaped (the
 CPU is the limit), and 4 workers share 2 cores with their own computation.
@@ -108,6 +114,8 @@ DEFAULT_JOBS = ["dense", "fp16", 'scalecom:{"ratio": 0.01}', 'scalecom:{"ratio":
                 "ddp_dense", "ddp_fp16", 'ddp_powersgd:{"ratio": 0.01}', 'ddp_scalecom:{"ratio": 0.01}']
 SCALECOM_DEFAULTS = {"selection": "threshold"}  # the exact top-k set, found faster
 LINKS = ("per-worker", "shared-loopback")
+UNSHAPED = "unshaped"  # a rate: links (or the shared loopback) at the speed the machine gives them
+RATES = (*SHAPES, UNSHAPED)
 
 
 def _ip(*args, check=True):
@@ -116,15 +124,19 @@ def _ip(*args, check=True):
 
 @contextlib.contextmanager
 def shaped_namespace(rate):
-    """A fresh network namespace whose loopback is shaped to ``rate``; removed on exit."""
+    """A fresh network namespace whose loopback is shaped to ``rate`` (left as it is for ``UNSHAPED``);
+    removed on exit."""
     name = f"{PREFIX}{os.getpid()}_{rate}"
     made = _ip("netns", "add", name, check=False)
     if made.returncode != 0:
         raise RuntimeError(f"ip netns add {name} failed: {made.stderr.strip()}")
     try:
         # (namespaces work here: a failure now is an error, not a skip)
-        cluster_links.ip("-n", name, "link", "set", "lo", "mtu", str(MTU), "up")
-        cluster_links.shape(name, "lo", rate)
+        if rate == UNSHAPED:  # (the loopback as a machine has it, its MTU too)
+            cluster_links.ip("-n", name, "link", "set", "lo", "up")
+        else:
+            cluster_links.ip("-n", name, "link", "set", "lo", "mtu", str(MTU), "up")
+            cluster_links.shape(name, "lo", rate)
         yield name
     finally:
         cluster_links.remove_namespace(name)
@@ -248,6 +260,13 @@ def job(text):
     return text
 
 
+def section_name(text):
+    """An argparse ``type``: a section's name, letters, digits and ``_`` only (it names a file too)."""
+    if not text or not all(c.isalnum() or c == "_" for c in text):
+        raise argparse.ArgumentTypeError(f"must be letters, digits and _ only, got {text!r}")
+    return text
+
+
 def widths(text):
     """An argparse ``type``: the MLP's layer widths, ``IN,HIDDEN,...,OUT``, at least two, each >= 1."""
     try:
@@ -321,7 +340,7 @@ def network(link, rate, workers):
     """Per-worker links for up to ``workers`` workers (at least 2, for the calibration's stream), or
     one namespace with a shaped loopback; removed on exit."""
     if link == "per-worker":
-        with cluster_links.cluster(rate, max(2, workers), tag=rate) as c:
+        with cluster_links.cluster(None if rate == UNSHAPED else rate, max(2, workers), tag=rate) as c:
             yield c
     else:
         with shaped_namespace(rate) as ns:
@@ -399,7 +418,7 @@ def each_worker(r):
 
 
 def _link_text(args, links):
-    shapes = ", ".join(f"{SHAPES[k][0]} at {k}" for k in links)
+    shapes = ", ".join(f"{SHAPES[k][0]} at {k}" for k in links if k in SHAPES) or "none: unshaped"
     measured = ", ".join(f"{v:.2f} Gbit/s at {k}" for k, v in links.items())
     if args.link == "per-worker":
         return (f"Each worker runs in its own network namespace with its own link (a veth pair, MTU {MTU}) "
@@ -410,6 +429,11 @@ def _link_text(args, links):
                 "server on the bridge, one host per worker. Bytes: each worker's link counters over the "
                 "timed steps, per step (TCP/IP headers and Horovod's own coordination messages included); "
                 "the wire column is their mean over the workers")
+    if set(links) == {UNSHAPED}:
+        return (f"All workers share one loopback, not shaped (as on one machine with no network cost); a single "
+                f"TCP stream of {args.calibrate_bytes >> 20} MiB measured {measured}. Bytes: the namespace's `lo` "
+                "`tx_bytes` over the timed steps, per step and worker (TCP/IP headers and Horovod's own "
+                "coordination messages included)")
     return (f"All workers share one loopback shaped by `tc tbf` (MTU {MTU}; bucket {shapes}), so the rate "
             f"is divided among them; a single TCP stream of {args.calibrate_bytes >> 20} MiB measured "
             f"{measured}. Bytes: the namespace's `lo` `tx_bytes` over the timed steps, per step and worker "
@@ -427,7 +451,9 @@ def _ddp_text(args):
 
 
 def markdown(rows, links, args, command, plot, load):
-    title = "one shaped link per worker" if args.link == "per-worker" else "one shaped loopback shared by all workers"
+    shaped = "" if set(links) == {UNSHAPED} else "shaped "
+    title = (f"one {shaped}link per worker" if args.link == "per-worker"
+             else f"one {shaped}loopback shared by all workers")
     lines = [
         f"## Slow link{'' if args.framework == 'torch' else ', TensorFlow'}: step time of Horovod jobs, {title}",
         "",
@@ -445,7 +471,8 @@ def markdown(rows, links, args, command, plot, load):
         f"this {os.cpu_count()}-core machine). ScaleCom runs with "
         f"`{json.dumps(SCALECOM_DEFAULTS)}` (the exact top-k set) plus any options shown. Index wait: "
         "rank 0's waits for the leader's indices (ScaleCom) or for its two rounds' allreduces (Sketched "
-        "SGD), which its compress time leaves out. " + (_ddp_text(args) if any(
+        "SGD), which its compress time leaves out (PyTorch workers only: TensorFlow's `stats()` time each tensor's "
+        "span in the step's graph, where the tensors' work interleaves). " + (_ddp_text(args) if any(
             r["compressor"].startswith("ddp_") for r in rows) else "") + "Load "
         f"average of the machine (the jobs' own workers included): {load[0]:.1f} at the start, "
         f"{load[1]:.1f} at the end.",
@@ -469,7 +496,9 @@ def markdown(rows, links, args, command, plot, load):
             speed = f"{dense['median_step_seconds'] / step:.2f}x" if dense else "n/a"
             wire = per_worker_bytes(r)
             wire_vs = f"{wire / per_worker_bytes(dense):.4f}" if dense else "n/a"
-            cs = r.get("compressor_stats", {})
+            # (TensorFlow's stats() time each tensor's span in the step's graph, where the tensors'
+            # work interleaves: their sum is no share of the step, and is left out)
+            cs = r.get("compressor_stats", {}) if r.get("framework", "torch") == "torch" else {}
             wait = f"{1e3 * cs['index_wait_seconds']:.1f}" if "index_wait_seconds" in cs else ""
             comp = f"{1e3 * cs['compress_seconds']:.1f}" if "compress_seconds" in cs else ""
             lines.append(f"| {r['rate']} | {r['workers']} | {r['label']} | {1e3 * step:.1f} | {vs} | {speed} | "
@@ -547,7 +576,8 @@ def main(argv=None):
     ap.add_argument("--link", choices=LINKS, default="per-worker",
                     help="per-worker: each worker its own shaped link (default); shared-loopback: one shaped "
                          "loopback for all workers")
-    ap.add_argument("--rates", nargs="+", default=None, choices=list(SHAPES), help="per link")
+    ap.add_argument("--rates", nargs="+", default=None, choices=list(RATES),
+                    help=f"per link; {UNSHAPED}: not shaped (what the step costs where the network is free)")
     ap.add_argument("--workers", type=COUNT, nargs="+", default=None)
     ap.add_argument("--models", nargs="+", choices=MODELS, default=None,
                     help="default: all (mlp in --smoke)")
@@ -566,6 +596,10 @@ def main(argv=None):
     ap.add_argument("--timeout", type=SECONDS, default=900)
     ap.add_argument("--out", type=output_file, default=None,
                     help="default: docs/performance.md (a temporary file in --smoke)")
+    ap.add_argument("--section", type=section_name, default=None,
+                    help="the section of --out written (between its <!-- NAME:begin/end --> markers), and the "
+                         "plot's default name (default: slow_link, slow_link_tensorflow), so that runs of other "
+                         "rates or models keep their own tables")
     ap.add_argument("--plot", type=output_file, default=None,
                     help="PNG path (default: docs/slow_link.png, docs/slow_link_tensorflow.png; none in --smoke)")
     args = ap.parse_args(argv)
@@ -605,7 +639,7 @@ def main(argv=None):
     except JobFailed as why:
         print(f"slow_link: failed: {why}", file=sys.stderr, flush=True)
         return 1
-    section = "slow_link" if args.framework == "torch" else f"slow_link_{args.framework}"
+    section = args.section or ("slow_link" if args.framework == "torch" else f"slow_link_{args.framework}")
     plot = None if smoke and args.plot is None else (args.plot or os.path.join(ROOT, "docs", f"{section}.png"))
     command = " ".join(["python -m benchmarks.slow_link", *map(shlex.quote, shown_arguments(
         sys.argv[1:] if argv is None else argv))])

@@ -34,7 +34,8 @@ MULTIPROCESS_TESTS = {
     "test_benchmarks_convergence_smoke.py": {"test_convergence_smoke"},
     "test_benchmarks_perf_smoke.py": {
         "test_slow_link_smoke", "test_a_slow_link_job_past_its_timeout_is_reported_and_leaves_nothing_running",
-        "test_a_smoke_run_that_writes_nothing_leaves_no_directory", "test_gpu_kernels_smoke_on_the_cpu"},
+        "test_a_smoke_run_that_writes_nothing_leaves_no_directory", "test_gpu_kernels_smoke_on_the_cpu",
+        "test_overhead_smoke"},
     "test_benchmarks_smoke.py": {"test_scalecom_options_smoke", "test_frontends_smoke", "test_tf_index_exchange_smoke"},
     "test_benchmarks_soak_smoke.py": {"test_soak_smoke", "test_soak_smoke_tensorflow",
                                       "test_soak_rejects_bad_arguments",

@@ -116,6 +116,47 @@ def test_slow_link_report_from_synthetic_rows():
     assert "bucket 128kb at 1gbit" in text and "up to 4 workers" in text
 
 
+def test_slow_link_unshaped_report_says_so():
+    """``--rates unshaped`` (the step where the network is free): no bucket named, the loopback said
+    to be not shaped."""
+    rows = [{"rate": "unshaped", "workers": 2, "compressor": "dense", "label": "dense", "median_step_seconds": 0.2,
+             "floor_seconds": 0.1, "tx_bytes": 80e6, "steps": 10, "dense_bytes": 4_000_000, "parameters": 1_000_000}]
+    args = argparse.Namespace(widths=[10, 10], batch=8, warmup=1, steps=10, repeats=1, workers=[2],
+                              calibrate_bytes=64 << 20, link="shared-loopback", model_size="full",
+                              framework="torch")
+    text = slow_link.markdown(rows, {"unshaped": 27.0}, args, "python -m benchmarks.slow_link", None, [1.0, 2.0])
+    assert "one loopback shared by all workers" in text and "not shaped" in text and "tbf" not in text
+    assert "| unshaped | 2 | dense | 200.0 | 1.000 | 1.00x | 100.0 | 2.00x |" in text
+    done = subprocess.run([sys.executable, "-m", "benchmarks.slow_link", "--rates", "2gbit"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--rates" in done.stderr and "unshaped" in done.stderr
+
+
+def test_overhead_smoke(tmp_path):
+    """Both frontends on the tiny CNN, the schemes taking turns: every scheme and the floor get a row
+    in each frontend's table, ScaleCom on PyTorch with its compress time (no timing asserted)."""
+    out = tmp_path / "performance.md"
+    out.write_text("# Performance\n\nkept\n")
+    run_smoke("benchmarks.overhead", out, timeout=600)
+    text = out.read_text()
+    assert "kept" in text and "<!-- overhead:begin -->" in text and "## Overhead where the network is free" in text
+    for frontend in ("PyTorch", "TensorFlow"):
+        at = text.index(f"### {frontend}: ResNet-18 (4 base channels)")
+        table = [line.split("|")[1:-1] for line in text[at:].splitlines()[4:8]]
+        assert [c[0].strip() for c in table[:3]] == ["no communication (floor)", "dense", "ScaleCom 0.01"], table
+        assert not table[3] or not table[3][0].strip(), "a row too many"
+        cells = {c[0].strip(): [x.strip() for x in c[1:]] for c in table[:3]}
+        assert cells["dense"][1] == "1.000" and cells["no communication (floor)"][2] == "1.00x"
+        assert float(cells["ScaleCom 0.01"][0]) > 0 and float(cells["ScaleCom 0.01"][1]) > 0
+        assert (float(cells["ScaleCom 0.01"][3]) > 0) if frontend == "PyTorch" else cells["ScaleCom 0.01"][3] == ""
+
+
+def test_overhead_refuses_a_bad_job():
+    done = subprocess.run([sys.executable, "-m", "benchmarks.overhead", "--jobs", 'fp16:{"ratio": 0.1}'], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "argument --jobs: fp16 takes no options" in done.stderr, done.stderr
+
+
 def test_sketch_kernels_smoke(tmp_path):
     out = tmp_path / "performance.md"
     run_smoke("benchmarks.sketch_kernels", out, timeout=300)

@@ -142,7 +142,7 @@ def test_run_all_list():
         assert code == 0, stderr
     out = runs[("--list",)][1]
     for command in ("-m benchmarks.kernels --environments default 'without AVX-512'",
-                    "-m benchmarks.sketch_kernels", "-m benchmarks.per_tensor",
+                    "-m benchmarks.sketch_kernels", "-m benchmarks.per_tensor", "-m benchmarks.overhead",
                     "-m benchmarks.gpu_kernels --rounds 200",
                     "-m benchmarks.slow_link", "-m benchmarks.scale --dense",
                     "-m benchmarks.scalecom_options",
