@@ -105,7 +105,7 @@ class BucketStep:
     indices have arrived; :meth:`_finish` once the values are reduced. With the health check
     (:mod:`hvd_scalecom.health`), a compressed parameter's step is one of: plain; a check step (``p``
     sent densely, the output and memory those of a plain step, then the measures recorded); a
-    fallback step (no indices; ``p`` sent densely; output ``P``, ``m <- (1 - beta) m``); or a check
+    fallback step (no indices; ``p`` sent densely; output ``P``, ``m <- 0``); or a check
     step while falling back (the leader's indices travel for the measures, otherwise a fallback step).
     Every rank takes the same decisions (from reduced values), so the collectives stay the same."""
 
@@ -260,10 +260,10 @@ class BucketStep:
         for entry in self.compressed:
             part = reduced[at:at + entry.width]
             at += entry.width
-            if entry.dense:  # the ScaleCom step with every entry selected: out = P, m <- (1 - beta) m
+            if entry.dense:  # everything owed, p = m + g, is sent: out = P, m <- 0
                 updated = clt_k.all_finite(part)
                 if updated:
-                    entry.memory.mul_(1.0 - beta)
+                    entry.memory.zero_()
                 entry.grad.copy_(part)
                 self.state._count_dense_step(entry.name)
             elif entry.check:  # the plain step's output and memory, from P[I]

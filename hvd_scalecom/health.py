@@ -12,8 +12,9 @@ compressed step in N of each tensor is a *check step*: it reduces ``p`` densely 
 with the energy shares ``||P[I]||^2 / ||P||^2`` and ``||P[G]||^2 / ||P||^2`` beside them.
 
 ``fallback="dense"``: after ``patience`` checks in a row with ``captured < min_captured`` a tensor is
-sent densely, as the ScaleCom step with every entry selected (``out = P``, ``m <- (1 - beta) m``),
-until ``patience`` checks in a row (still one in N steps) reach ``min_captured`` again.
+sent densely, ``out = P`` and ``m <- 0``, until ``patience`` checks in a row (still one in N steps)
+reach ``min_captured`` again. All that was owed, ``p = m + g``, was sent: the low-pass filter with
+every entry selected would keep ``(1 - beta) m`` and send the backlog about ``1 / beta`` times over.
 
 Every rank computes the measures from the same reduced ``P`` and the same ``I``, summing the k
 squares in ascending order (a sort, then a sequential sum), so every rank reaches the same decision

@@ -32,7 +32,7 @@ def scalecom_reference(raw_grads, names, size, ratio, beta, warmup_steps, min_nu
         (t - warmup_steps) % check_every == 0 reduces P = mean_i p_i densely (in value_dtype); its output
         is P at I, and G = top_k |P| gives overlap |I n G| / k and captured ||P[I]||^2 / ||P[G]||^2. With
         fallback="dense", ``patience`` captured values below min_captured in a row make the tensor's
-        later steps send p densely (output P, m <- (1 - beta) m) until ``patience`` checks in a row reach
+        later steps send p densely (output P, m <- 0) until ``patience`` checks in a row reach
         min_captured. health_log (a list) receives (t, name, hits, k, selected, topk, total, dense) per
         finite check, ``dense``: whether the tensor is sent densely after it.
     Returns (applied, memories): applied[t][name] is the dense averaged update; memories[rank][name]
@@ -57,7 +57,7 @@ def scalecom_reference(raw_grads, names, size, ratio, beta, warmup_steps, min_nu
                 P = np.sum([x.astype(value_dtype).astype(np.float32) for x in p], axis=0) / size
                 if (t, name) not in skip_memory and np.isfinite(P).all():
                     for r in range(size):
-                        memories[r][name] = ((1 - beta) * memories[r][name]).astype(np.float32)
+                        memories[r][name] = np.zeros(numel, np.float32)                # all was sent
                 out[name] = P.reshape(per_rank[0][name].shape)
                 continue
             # what a leader selects from: p, or its memory where its gradient is not finite
@@ -86,10 +86,13 @@ def scalecom_reference(raw_grads, names, size, ratio, beta, warmup_steps, min_nu
                 P = np.sum([x.astype(value_dtype).astype(np.float32) if np.isfinite(g[r]).all()
                             else np.full(numel, np.nan, np.float32) for r, x in enumerate(p)], axis=0) / size
                 if was_dense:
-                    dense, sent = P, p                                               # every entry sent
+                    dense = P                                                        # every entry sent
                 _check(P, chosen, k, name, t, state, fallback, min_captured, patience, health_log)
             for r in range(size):
                 if (t, name) in skip_memory or not np.isfinite(dense).all():
+                    continue
+                if is_check and was_dense:
+                    memories[r][name] = np.zeros(numel, np.float32)                  # all was sent
                     continue
                 memories[r][name] = ((1 - beta) * memories[r][name]
                                      + beta * (p[r] - sent[r])).astype(np.float32)  # low-pass filter

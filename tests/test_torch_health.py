@@ -346,9 +346,9 @@ def test_reference_checks_without_fallback_change_nothing():
                for _, _, hits, k, selected, topk, total, dense in log)
 
 
-def test_reference_fallback_applies_the_mean_of_p_and_decays_the_memory():
+def test_reference_fallback_applies_the_mean_of_p_and_clears_the_memory():
     """fallback="dense" with min_captured=1 (every check low, patience 1): after the first check every
-    step applies mean_i(m_i + g_i) and leaves (1 - beta) m_i."""
+    step applies mean_i(m_i + g_i) and leaves m_i = 0."""
     grads = reference_grads(4, 2, seed=1)
     log = []
     applied, memories = scalecom_reference(grads, ["w"], 2, 0.05, 0.5, 0, 100, check_every=10, fallback="dense",
@@ -360,6 +360,6 @@ def test_reference_fallback_applies_the_mean_of_p_and_decays_the_memory():
     for t in range(1, 4):
         p = [m[r] + grads[t][r]["w"].reshape(-1) for r in range(2)]
         np.testing.assert_allclose(applied[t]["w"].reshape(-1), (p[0] + p[1]) / 2, rtol=1e-6)
-        m = [0.5 * m[r] for r in range(2)]
+        m = [np.zeros_like(m[r]) for r in range(2)]
     for r in range(2):
         np.testing.assert_allclose(memories[r]["w"], m[r], rtol=1e-6)

@@ -220,12 +220,12 @@ class ScaleCom(_SharedIndices):
         return clt_k.scatter_dense(reduced[indices], indices, numel, G.dtype), reduced
 
     def dense_update(self, spec, G, with_reduced=False):
-        """A fallback step: the ScaleCom step with every entry selected, ``out = P = mean_i p_i`` and
-        ``m_i <- (1 - beta) m_i`` (kept where ``P`` is not finite)."""
+        """A fallback step: ``out = P = mean_i p_i`` and ``m_i <- 0``, everything owed was sent (kept
+        where ``P`` is not finite)."""
         M = self.memory(spec, G)
         reduced = mean_over_workers(self.sent_dense(M, G))
         if clt_k.all_finite(reduced):
-            M.mul_(1.0 - self.beta)
+            M.zero_()
         else:
             self.nonfinite_skips += 1
         update = reduced.to(G.dtype)

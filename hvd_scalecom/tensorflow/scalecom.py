@@ -264,8 +264,8 @@ class ScaleCom(IndexExchangeGraph, HealthGraph, GradientMatching, StateAndStatis
     def _update_memory(self, slot, t, reduced, in_warmup, grad, indices, memory_at_indices, exact, modes):
         """The low-pass memory update of a compressed step, skipped (and counted) when the reduced
         values are not finite: then some rank's gradient was, and every rank sees it alike. With the
-        health check (``modes``: is it a check, is the variable sent densely), a fallback step keeps
-        ``(1 - beta) m`` (every entry was sent), and a check's measures are recorded."""
+        health check (``modes``: is it a check, is the variable sent densely), a fallback step leaves
+        ``m = 0`` (everything owed was sent), and a check's measures are recorded."""
         finite = tf.reduce_all(tf.math.is_finite(reduced))
         compressed = tf.constant(True) if in_warmup is None else tf.logical_not(in_warmup)
         sent_dtype = self._value_dtype or grad.dtype
@@ -277,7 +277,7 @@ class ScaleCom(IndexExchangeGraph, HealthGraph, GradientMatching, StateAndStatis
                 return tf.constant(0, tf.int64)
 
         def decayed():
-            with tf.control_dependencies([slot.memory.assign((1.0 - self.config.beta) * slot.memory)]):
+            with tf.control_dependencies([slot.memory.assign(tf.zeros_like(slot.memory))]):
                 return tf.constant(0, tf.int64)
 
         def update():

@@ -7,10 +7,10 @@ In the notation of Chen et al. (NeurIPS 2020), Algorithm 1, per tensor and compr
 - a *check step* exchanges the leader's ``I`` as a compressed step does and reduces ``p = m + g``
   densely (in the values' dtype) instead of ``p[I]``. While the tensor is compressed its output is
   ``scatter(I, P[I])`` and its memory update the usual one (step 4): the training is plain ScaleCom's,
-  only the bytes differ. While it falls back its output is ``P`` and ``m <- (1 - beta) m``. Either
+  only the bytes differ. While it falls back its output is ``P`` and ``m <- 0``. Either
   way the measures of ``(P, I)`` are recorded then, and decide from the tensor's next step on.
 - a *fallback step* (the tensor is sent densely, no check): no index exchange; ``p`` is reduced
-  densely, the output is ``P`` and ``m <- (1 - beta) m``, the ScaleCom step with every entry selected.
+  densely, the output is ``P`` and ``m <- 0`` (everything owed was sent).
 
 A rank whose gradient is not finite sends NaN on a check step (as on a compressed step: every rank
 then skips the memory update), ``p`` as it is on a fallback step (as on a dense step); a non-finite
@@ -107,7 +107,7 @@ class HealthSteps:
             if compressed is not None:
                 compressor._exchange.finish(compressed.leader_part, slot)
             if clt_k.all_finite(reduced):
-                slot.memory.mul_(1.0 - compressor.config.beta)  # m <- (1 - beta) m + beta (p - p)
+                slot.memory.zero_()  # everything owed, p = m + g, was sent
             else:
                 compressor.nonfinite_skips += 1
             out = as_dtype(reduced, grad.dtype).view(grad.shape)
