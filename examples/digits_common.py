@@ -136,7 +136,7 @@ def evaluate(model, x, y):
 
 
 def add_scalecom_arguments(ap, value_dtypes):
-    """The ScaleCom options of the PyTorch examples (``value_dtypes``: the choices of --value-dtype)."""
+    """The ScaleCom options every example shares (``value_dtypes``: the choices of --value-dtype)."""
     ap.add_argument("--ratio", type=fraction, default=0.01)
     ap.add_argument("--beta", type=fraction, default=0.5)
     ap.add_argument("--warmup-steps", type=nonnegative_int, default=0)

@@ -31,12 +31,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 from digits_common import (
+    add_scalecom_arguments,
+    check_scalecom_arguments,
     check_trained_with,
     epoch_steps,
-    fraction,
     learning_rate,
     momentum_value,
-    nonnegative_int,
     positive_int,
     result_path,
     seed_value,
@@ -50,21 +50,9 @@ from hvd_scalecom.tensorflow import ScaleCom, make_train_step
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--compression", choices=["scalecom", "dense", "fp16"], default="scalecom")
-    ap.add_argument("--ratio", type=fraction, default=0.01)
-    ap.add_argument("--beta", type=fraction, default=0.5)
-    ap.add_argument("--warmup-steps", type=nonnegative_int, default=0)
-    ap.add_argument("--min-numel", type=nonnegative_int, default=1024)
-    ap.add_argument("--leader", choices=["cyclic", "staggered"], default="cyclic")
-    ap.add_argument("--selection", choices=["exact", "threshold"], default="threshold")
-    ap.add_argument("--value-dtype", choices=["float32", "float16"], default=None)
+    add_scalecom_arguments(ap, ["float32", "float16"])
     ap.add_argument("--index-exchange", choices=["broadcast", "allreduce", "allgather"], default="broadcast")
     ap.add_argument("--pipelined", action="store_true", help="indices selected one step ahead")
-    ap.add_argument("--check-every", type=positive_int, default=None,
-                    help="the health check: one compressed step in N of each tensor is sent densely and "
-                         "measures how much of the global top-k's energy ScaleCom's indices carried")
-    ap.add_argument("--fallback", choices=["dense"], default=None,
-                    help="send a tensor densely while its checks stay below --min-captured")
-    ap.add_argument("--min-captured", type=fraction, default=0.5)
     ap.add_argument("--epochs", type=positive_int, default=25)
     # batch 16 and lr 0.0125 per worker (0.05 at 4 workers): at ratio 0.01 the residue memory sends
     # held-back gradient in bursts that momentum 0.9 amplifies, and 0.2 at 4 workers diverged; the
@@ -84,8 +72,7 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.resume and not args.checkpoint:
         ap.error("--resume needs --checkpoint DIR")
-    if args.fallback is not None and args.check_every is None:
-        ap.error(f"--fallback {args.fallback} needs --check-every (the checks decide when to fall back)")
+    check_scalecom_arguments(ap, args)
     if args.fallback is not None and args.pipelined:
         ap.error("--fallback needs exact ScaleCom (without --pipelined)")
     return args
@@ -122,7 +109,8 @@ def main(argv=None):
         compression = ScaleCom(model.trainable_variables, ratio=args.ratio, beta=args.beta,
                                warmup_steps=args.warmup_steps, min_numel=args.min_numel,
                                leader=args.leader, selection=args.selection,
-                               value_dtype=args.value_dtype, index_exchange=args.index_exchange,
+                               value_dtype=args.value_dtype, index_dtype=args.index_dtype,
+                               index_exchange=args.index_exchange,
                                pipelined=args.pipelined, check_every=args.check_every,
                                fallback=args.fallback, min_captured=args.min_captured)
     elif args.compression == "fp16":
