@@ -1,5 +1,5 @@
 # The README's two commands: `make demo` and `make test`. Each installs what is missing first.
-# `make test` runs every test: those marked multiprocess, and beside them the others.
+# `make test` runs every test: those marked multiprocess (in streams, tests/conftest.py), and beside them the others.
 # `make test-fast` runs the tests that start no processes (pytest -m "not multiprocess"): a few minutes.
 # Both run `make lint` (ruff, configured in pyproject.toml) first.
 VENV ?= .venv
@@ -17,13 +17,19 @@ demo: install
 lint: install
 	$(VENV)/bin/ruff check .
 
-# The tests that start no processes (one core) run beside those that do, which leave the second core
-# idle much of the time; their report follows. Both must pass.
+# Four pytest processes: the tests that start no processes, and the multi-process streams "torch" and
+# "rest" (tests/conftest.py), side by side (their jobs wait on start-ups and time limits much of the
+# time, leaving the cores to the others); then the "links" stream alone, whose shaped links are timed.
+# The "rest" stream reports as it runs, the others' reports follow; all must pass.
 test: lint
-	@log=$$(mktemp); $(PY) -m pytest -q -m "not multiprocess" tests >$$log 2>&1 & single=$$!; \
-	$(PY) -m pytest -q -m multiprocess tests; multi=$$?; \
-	wait $$single; status=$$?; echo "--- the tests that start no processes:"; cat $$log; rm -f $$log; \
-	test $$multi -eq 0 && test $$status -eq 0
+	@logs=$$(mktemp -d); \
+	$(PY) -m pytest -q -m "not multiprocess" tests >$$logs/fast 2>&1 & fast=$$!; \
+	$(PY) -m pytest -q -m multiprocess --stream torch tests >$$logs/torch 2>&1 & torch=$$!; \
+	echo "--- rest:"; $(PY) -m pytest -q -m multiprocess --stream rest tests; rest=$$?; \
+	wait $$torch; torch=$$?; wait $$fast; fast=$$?; \
+	$(PY) -m pytest -q -m multiprocess --stream links tests >$$logs/links 2>&1; links=$$?; \
+	for part in torch fast links; do echo "--- $$part:"; cat $$logs/$$part; done; rm -rf $$logs; \
+	test $$fast -eq 0 && test $$torch -eq 0 && test $$rest -eq 0 && test $$links -eq 0
 
 test-fast: lint
 	$(PY) -m pytest -q -m "not multiprocess" tests

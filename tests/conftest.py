@@ -71,8 +71,37 @@ MULTIPROCESS_TESTS = {
 # `make test` the tests beside them (the other tier, in a process of its own) have finished by then.
 LINK_MODULES = ("test_benchmarks_links_smoke.py", "test_benchmarks_perf_smoke.py", "test_benchmarks_ddp_smoke.py")
 
+# `make test` runs the multi-process tests in streams (``--stream``), each its own pytest process: "torch"
+# and "rest" side by side, then "links" (LINK_MODULES) alone. A shared job of tests/jobs.py runs once per
+# process, so every test that reads one is in the same stream: "torch" holds the modules of the PyTorch
+# jobs (and test_horovod_smoke's PyTorch cases), "rest" the TensorFlow jobs, the examples' jobs and the
+# benchmarks' smoke tests.
+TORCH_STREAM = {"test_ddp.py", "test_native.py", "test_sim_horovod.py", "test_timeline_launch.py",
+                "test_torch_bad_input.py", "test_torch_elastic.py", "test_torch_health.py", "test_torch_qsparse.py",
+                "test_torch_scalecom.py", "test_torch_scalecom_nohang.py", "test_torch_sketched_sgd.py"}
+STREAMS = ("torch", "rest", "links")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--stream", choices=STREAMS, default=None,
+                     help="only the tests of one stream (tests/conftest.py); default: every test")
+
+
+def stream_of(item):
+    name = item.path.name
+    if name in LINK_MODULES:
+        return "links"
+    if name in TORCH_STREAM or name == "test_horovod_smoke.py" and item.callspec.params["framework"] == "torch":
+        return "torch"
+    return "rest"
+
 
 def pytest_collection_modifyitems(config, items):
+    stream = config.getoption("stream")
+    if stream is not None:
+        kept = [item for item in items if stream_of(item) == stream]
+        config.hook.pytest_deselected(items=[item for item in items if stream_of(item) != stream])
+        items[:] = kept
     items.sort(key=lambda item: item.path.name in LINK_MODULES)  # (stable: the order is kept otherwise)
     for item in items:
         name = getattr(item, "originalname", item.name)
