@@ -145,19 +145,22 @@ DISAGREEING = [
     (2, {"0": {"loss_scale_schedule": {"0": 1, "1": 1024}},
          "1": {"loss_scale_schedule": {"0": 1, "1": 1024}, "no_loss_scaler": True}}, "loss_scaler"),
 ]
-# (a configuration that disagrees stops every rank at the first step: a job's stall settings do not matter)
-SHARED = {0: "torch_np2_stall", 1: "torch_np3_stall", 2: "torch_np3_native_off"}
+# ScaleCom compares the ranks' configurations at the first compress, through blocking allgathers, before
+# Horovod's DistributedOptimizer submits any reduction (it calls compress before allreduce_async_): every
+# rank raises the same ValueError with no collective in flight, so each case is a run that raises and
+# the job goes on to its next run (tests/jobs.py), in the shared jobs torch_np2 and torch_np3.
+DISAGREEMENT = "ValueError: ScaleCom is configured differently on different ranks ("
 for i, (size, per_rank, _) in enumerate(DISAGREEING):
-    failing_run(f"disagreeing_{i}", {"steps": 2, "per_rank": per_rank},
-                ["test_ranks_that_disagree_all_get_one_clear_error"], np=size, job=SHARED.get(i))
+    add_run(f"torch_np{size}", f"disagreeing_{i}", "torch_scalecom.py", {"steps": 2, "per_rank": per_rank},
+            ["test_ranks_that_disagree_all_get_one_clear_error"], timeout=120, raises=DISAGREEMENT)
 
 
 @pytest.mark.parametrize("case", range(len(DISAGREEING)))
 def test_ranks_that_disagree_all_get_one_clear_error(horovod_jobs, case):
     size, per_rank, differing = DISAGREEING[case]
-    report = failed_job(horovod_jobs, f"disagreeing_{case}")
+    printed = horovod_jobs(f"torch_np{size}").raised(f"disagreeing_{case}")
     for rank in range(size):
-        assert f"ScaleCom is configured differently on different ranks ({differing} differ" in section(report, rank)
+        assert f"{DISAGREEMENT}{differing} differ" in printed[rank], printed[rank][-2000:]
 
 
 for size in [2, 3]:
