@@ -141,9 +141,11 @@ class JobResult:
 
     def raised(self, part):
         """Each rank's output of ``part``, a run that must raise its ``raises`` error (``[text of rank 0,
-        ...]``): the test fails, with the run's output and the job's error, unless every rank raised it."""
-        run = next(r for r in self.runs if r.part == part)
-        assert run.raises, f"run {part} is not one that must raise (add_run(..., raises=...))"
+        ...]``): the test fails, with the run's output and the job's error, unless every rank raised it.
+        Each rank's ``"<exception type>: <message>"`` is in ``<root>/<part>/raised.rank<R>``."""
+        run = {r.part: r for r in self.runs}.get(part)
+        assert run is not None and run.raises, \
+            f"run {part} is no run of job {self.job.name} that must raise (add_run(..., raises=...))"
         missing = [rank for rank in range(self.job.np) if not (self.root / part / f"raised.rank{rank}").exists()]
         assert not missing, f"run {part} of job {self.job.name} did not raise {run.raises!r} on ranks {missing} " \
             f"(started on {self.started(part)}):\n{self.output_of(part)[-6000:]}\n{self.error}"

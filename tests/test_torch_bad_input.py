@@ -158,9 +158,12 @@ for i, (size, per_rank, _) in enumerate(DISAGREEING):
 @pytest.mark.parametrize("case", range(len(DISAGREEING)))
 def test_ranks_that_disagree_all_get_one_clear_error(horovod_jobs, case):
     size, per_rank, differing = DISAGREEING[case]
-    printed = horovod_jobs(f"torch_np{size}").raised(f"disagreeing_{case}")
+    job = horovod_jobs(f"torch_np{size}")
+    printed = job.raised(f"disagreeing_{case}")
     for rank in range(size):
         assert f"{DISAGREEMENT}{differing} differ" in printed[rank], printed[rank][-2000:]
+    errors = {(job.root / f"disagreeing_{case}" / f"raised.rank{rank}").read_text() for rank in range(size)}
+    assert len(errors) == 1, errors  # one error, word for word, on every rank
 
 
 for size in [2, 3]:
