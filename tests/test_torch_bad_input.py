@@ -15,8 +15,11 @@ def model():
     return torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.Linear(30, 2))
 
 
-# Each run here must fail, which ends its job: it goes last in a job of passing runs with the same set-up
-# (tests/jobs.py) or, where none is left, in a job of its own.
+# A run that must fail ends its job: it goes last in a job of passing runs with the same set-up
+# (tests/jobs.py) or, where none is left, in a job of its own. Each of these fails while a collective is,
+# or may be, in flight on some rank (a wait that times out, a stall shutdown, Horovod's join, a rank
+# that raises alone), so no later run could share its processes. An error every rank raises with
+# nothing in flight is a run with raises= instead (the disagreeing configurations below).
 def failing_run(part, opts, tests, np=2, job=None, env=None):
     """A run of ``torch_scalecom.py`` that must fail: last in ``job``, or alone in a job ``bad_<part>``."""
     if job is None:
