@@ -9,12 +9,17 @@ the runs of the tests selected in the session, starts at the first test that rea
 * :func:`define_job` names a job: ranks, controller, environment, a Horovod timeline of rank 0 (which
   the job's runs share), the jobs that must run before it (whose outputs its runs read).
 * :func:`add_run` adds a run to a job: ``fails=True`` for a run that must fail, which ends the job, so
-  it runs last (one per job); ``first=True`` for runs that must come first (those that start Horovod
-  with a process set, which only the first ``hvd.init`` of a process can register).
+  it runs last (one per job); ``raises="Type: message"`` for a run that must raise that error on every
+  rank where no Horovod collective is left in flight (e.g. ScaleCom's configuration check at the first
+  compress, which all ranks pass or fail together after blocking allgathers): each rank prints its
+  traceback and goes on to the job's next run, so such runs share jobs like passing ones;
+  ``first=True`` for runs that must come first (those that start Horovod with a process set, which
+  only the first ``hvd.init`` of a process can register).
 * the ``horovod_jobs`` fixture (tests/conftest.py) runs a job and returns its :class:`JobResult`:
   :meth:`JobResult.completed` gives a run's per-rank npz dicts (the test fails, with the job's
-  per-rank output, if the run did not complete on every rank), :meth:`JobResult.failure` the report of
-  a run that must fail (its ranks' output from that run on).
+  per-rank output, if the run did not complete on every rank), :meth:`JobResult.raised` each rank's
+  output of a run that must raise (the test fails if a rank did not raise it), :meth:`JobResult.failure`
+  the report of a run that must fail (its ranks' output from that run on).
 
 Nothing hangs: every run has a time limit on every rank (past it the rank prints every thread's stack
 and exits, which ends the job), and the job as a whole the sum of its runs' limits.
@@ -53,6 +58,7 @@ class Run:
     fails: bool
     first: bool
     timeout: int
+    raises: str = None
 
 
 JOBS = {}
@@ -68,19 +74,26 @@ def define_job(name, np, controller="gloo", env=None, timeline=False, after=()):
     JOBS[name] = Job(name, np, controller, dict(env or {}), timeline, tuple(after))
 
 
-def add_run(job, part, worker, opts, tests, fails=False, first=False, timeout=300):
+def add_run(job, part, worker, opts, tests, fails=False, first=False, timeout=300, raises=None):
     """Add to ``job`` a run of ``tests/workers/<worker>`` (or of the script at the absolute path
     ``worker``) writing to ``<root>/<part>``. ``opts``: its JSON options (a dict), or its arguments (a
     list of strings, for a script that takes no options JSON), or a function of ``root`` (a
     ``pathlib.Path``) returning either; ``tests``: the names of the test functions that read it (the run
-    is left out when none of them is selected); ``timeout``: its limit in seconds on every rank."""
+    is left out when none of them is selected); ``timeout``: its limit in seconds on every rank;
+    ``raises``: the start of ``"<exception type>: <message>"`` of the error the run must raise on
+    every rank, only where no collective can be in flight when it does (the job's next run would meet
+    it): that error alone is caught (tests/workers/sequence.py)."""
     if not re.fullmatch(r"[\w.-]+", part):
         raise ValueError(f"a run's part names its folder: letters, digits, '_', '.', '-', got {part!r}")
     if any(r.part == part for j in JOBS.values() for r in j.runs):
         raise ValueError(f"run {part!r} is added twice")
     if isinstance(tests, str):
         raise TypeError(f"tests must be a list of test names, got the string {tests!r}")
-    JOBS[job].runs.append(Run(part, worker, opts, tuple(tests), fails, first, timeout))
+    if fails and raises:
+        raise ValueError(f"run {part!r}: fails=True ends the job, raises= goes on to its next run; not both")
+    if raises is not None and not re.match(r"\w+: \S", raises):
+        raise ValueError(f"run {part!r}: raises is the start of '<exception type>: <message>', got {raises!r}")
+    JOBS[job].runs.append(Run(part, worker, opts, tuple(tests), fails, first, timeout, raises))
 
 
 class JobResult:
@@ -114,16 +127,29 @@ class JobResult:
             f"{len(results)} results of {size}):\n{self.error}"
         return results
 
-    def output_of(self, part):
-        """What ``part`` wrote to sys.stdout and sys.stderr on every rank, as horovodrun shows it (each line
-        after its ``[rank]<stdout>:`` or ``[rank]<stderr>:``), from the run's own copy of its output."""
+    def output_of(self, part, ranks=None):
+        """What ``part`` wrote to sys.stdout and sys.stderr on every rank (or on ``ranks``), as horovodrun
+        shows it (each line after its ``[rank]<stdout>:`` or ``[rank]<stderr>:``), from the run's own copy
+        of its output."""
         lines = []
-        for rank in self.started(part):
+        for rank in self.started(part) if ranks is None else ranks:
             for stream in ("stdout", "stderr"):
                 path = self.root / part / f"{stream}.rank{rank}.txt"
                 if path.exists():
                     lines += [f"[{rank}]<{stream}>:{line}" for line in path.read_text().splitlines()]
         return "\n".join(lines)
+
+    def raised(self, part):
+        """Each rank's output of ``part``, a run that must raise its ``raises`` error (``[text of rank 0,
+        ...]``): the test fails, with the run's output and the job's error, unless every rank raised it.
+        Each rank's ``"<exception type>: <message>"`` is in ``<root>/<part>/raised.rank<R>``."""
+        run = {r.part: r for r in self.runs}.get(part)
+        assert run is not None and run.raises, \
+            f"run {part} is no run of job {self.job.name} that must raise (add_run(..., raises=...))"
+        missing = [rank for rank in range(self.job.np) if not (self.root / part / f"raised.rank{rank}").exists()]
+        assert not missing, f"run {part} of job {self.job.name} did not raise {run.raises!r} on ranks {missing} " \
+            f"(started on {self.started(part)}):\n{self.output_of(part)[-6000:]}\n{self.error}"
+        return [self.output_of(part, ranks=[rank]) for rank in range(self.job.np)]
 
     def started(self, part):
         """The ranks on which ``part`` started (sequence.py marks each run's start in its folder)."""
@@ -167,7 +193,7 @@ def run_job(name, request, tmp_path_factory):
         os.makedirs(root / r.part)
         opts = r.opts(root) if callable(r.opts) else r.opts
         plan.append([r.part, os.path.join(WORKERS, r.worker), opts if isinstance(opts, list) else json.dumps(opts),
-                     str(root / r.part), r.timeout])
+                     str(root / r.part), r.timeout, r.raises])
     plan_file = root / f"{name}.plan.json"
     plan_file.write_text(json.dumps(plan))
     error, output = None, ""

@@ -15,8 +15,11 @@ def model():
     return torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.Linear(30, 2))
 
 
-# Each run here must fail, which ends its job: it goes last in a job of passing runs with the same set-up
-# (tests/jobs.py) or, where none is left, in a job of its own.
+# A run that must fail ends its job: it goes last in a job of passing runs with the same set-up
+# (tests/jobs.py) or, where none is left, in a job of its own. Each of these fails while a collective is,
+# or may be, in flight on some rank (a wait that times out, a stall shutdown, Horovod's join, a rank
+# that raises alone), so no later run could share its processes. An error every rank raises with
+# nothing in flight is a run with raises= instead (the disagreeing configurations below).
 def failing_run(part, opts, tests, np=2, job=None, env=None):
     """A run of ``torch_scalecom.py`` that must fail: last in ``job``, or alone in a job ``bad_<part>``."""
     if job is None:
@@ -145,19 +148,25 @@ DISAGREEING = [
     (2, {"0": {"loss_scale_schedule": {"0": 1, "1": 1024}},
          "1": {"loss_scale_schedule": {"0": 1, "1": 1024}, "no_loss_scaler": True}}, "loss_scaler"),
 ]
-# (a configuration that disagrees stops every rank at the first step: a job's stall settings do not matter)
-SHARED = {0: "torch_np2_stall", 1: "torch_np3_stall", 2: "torch_np3_native_off"}
+# ScaleCom compares the ranks' configurations at the first compress, through blocking allgathers, before
+# Horovod's DistributedOptimizer submits any reduction (it calls compress before allreduce_async_): every
+# rank raises the same ValueError with no collective in flight, so each case is a run that raises and
+# the job goes on to its next run (tests/jobs.py), in the shared jobs torch_np2 and torch_np3.
+DISAGREEMENT = "ValueError: ScaleCom is configured differently on different ranks ("
 for i, (size, per_rank, _) in enumerate(DISAGREEING):
-    failing_run(f"disagreeing_{i}", {"steps": 2, "per_rank": per_rank},
-                ["test_ranks_that_disagree_all_get_one_clear_error"], np=size, job=SHARED.get(i))
+    add_run(f"torch_np{size}", f"disagreeing_{i}", "torch_scalecom.py", {"steps": 2, "per_rank": per_rank},
+            ["test_ranks_that_disagree_all_get_one_clear_error"], timeout=120, raises=DISAGREEMENT)
 
 
 @pytest.mark.parametrize("case", range(len(DISAGREEING)))
 def test_ranks_that_disagree_all_get_one_clear_error(horovod_jobs, case):
     size, per_rank, differing = DISAGREEING[case]
-    report = failed_job(horovod_jobs, f"disagreeing_{case}")
+    job = horovod_jobs(f"torch_np{size}")
+    printed = job.raised(f"disagreeing_{case}")
     for rank in range(size):
-        assert f"ScaleCom is configured differently on different ranks ({differing} differ" in section(report, rank)
+        assert f"{DISAGREEMENT}{differing} differ" in printed[rank], printed[rank][-2000:]
+    errors = {(job.root / f"disagreeing_{case}" / f"raised.rank{rank}").read_text() for rank in range(size)}
+    assert len(errors) == 1, errors  # one error, word for word, on every rank
 
 
 for size in [2, 3]:

@@ -1,11 +1,13 @@
 """Several runs, one after another, in the processes of one horovodrun job (tests/jobs.py).
 
-argv: a JSON file listing ``[part, script, arguments, output folder, seconds]``. Each script runs
+argv: a JSON file listing ``[part, script, arguments, output folder, seconds, raises]``. Each script runs
 through runpy with the argv it takes on its own: ``arguments`` (a list), or, for a worker of this
 folder, its options JSON (a string) and the output folder. Before each run every rank prints
 ``[horovod job] run <part>:`` and marks the run's start (and then its end) in its output folder, where
 it also keeps a copy of what the run writes to sys.stdout and sys.stderr (``stdout.rank<R>.txt``); ``sys.exit()`` or
-``sys.exit(0)`` ends a run, not the job. Past ``seconds`` a rank prints every thread's stack and exits,
+``sys.exit(0)`` ends a run, not the job; so does the error ``raises`` names (the start of
+``"<exception type>: <message>"``, or null), which alone is caught: the rank prints its traceback and
+records it (``raised.rank<R>``) before the next run. Past ``seconds`` a rank prints every thread's stack and exits,
 which ends the job (so does a shutdown past 120 s). At the end every queued event of a job's Horovod
 timeline is written.
 """
@@ -15,6 +17,7 @@ import json
 import os
 import runpy
 import sys
+import traceback
 
 import lingering  # (this folder, the script's, is first on sys.path)
 
@@ -41,7 +44,7 @@ class Tee:
 lingering.install()  # a failing run's error printed on every rank before horovodrun stops them
 with open(sys.argv[1]) as f:
     plan = json.load(f)
-for part, script, arguments, out_dir, seconds in plan:
+for part, script, arguments, out_dir, seconds, raises in plan:
     argv = arguments if isinstance(arguments, list) else [arguments, out_dir]
     print(f"[horovod job] run {part}: {os.path.basename(script)} {' '.join(argv)}", flush=True)
     open(os.path.join(out_dir, f"started.rank{RANK}"), "w").close()
@@ -56,6 +59,14 @@ for part, script, arguments, out_dir, seconds in plan:
     except SystemExit as done:
         if done.code not in (None, 0):
             raise
+    except Exception as error:
+        said = f"{type(error).__name__}: {error}"
+        if raises is None or not said.startswith(raises):
+            raise
+        traceback.print_exc()
+        print(f"[horovod job] run {part} raised the error it must, on to the next run", flush=True)
+        with open(os.path.join(out_dir, f"raised.rank{RANK}"), "w") as record:
+            record.write(said)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
