@@ -7,7 +7,8 @@ Before every job ``horovodrun`` checks that its controller was built by importin
 extension in a forked process, TensorFlow's first: about 4 s of CPU per job, where PyTorch's extension
 answers the same question in about 1.5 s. Every Horovod extension of an installation is built with the
 same controllers, so the answer is the same; nothing else of the launcher changes.
-:func:`devtools.launch.run_command` starts the ``horovodrun`` beside this Python this way.
+:func:`devtools.launch.sooner_launcher` starts the ``horovodrun`` beside this Python this way (the
+tests' and benchmarks' jobs).
 """
 
 import sys
