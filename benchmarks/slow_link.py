@@ -211,13 +211,13 @@ def run_job(network, workers, spec, timeout):
         if not rows:
             raise JobFailed(f"{_what(spec, workers)}: rank 0 printed no result:\n{outputs[0][-6000:]}")
         return rows[0]
-    from devtools.launch import horovodrun_command
+    from devtools.launch import horovodrun_command, sooner_launcher
 
     if ddp:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(workers),
                     *argv]
     else:
-        launcher = horovodrun_command(argv, np=workers, controller="gloo")
+        launcher = sooner_launcher(horovodrun_command(argv, np=workers, controller="gloo"))
     cmd = ["ip", "netns", "exec", network, *launcher]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout,

@@ -10,6 +10,8 @@ import sys
 _RANK_PREFIX = re.compile(r"^\[(?:\d+,)?(\d+)\]<(stdout|stderr)>:(.*)$")
 # Open MPI tags every write, and an unbuffered print may be several writes: tags inside a line
 _MPI_TAG = re.compile(r"\[\d+,\d+\]<(?:stdout|stderr)>:")
+# horovodrun's launcher, checking the build through Horovod's PyTorch extension first (seconds sooner)
+HOROVODRUN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "horovodrun.py")
 
 
 class HorovodRunError(RuntimeError):
@@ -36,6 +38,14 @@ def horovodrun_command(args, np=2, controller="gloo", start_timeout=120, python=
             "--start-timeout", str(start_timeout), python, *args]
 
 
+def sooner_launcher(cmd):
+    """``cmd`` with the ``horovodrun`` beside this Python started as ``devtools/horovodrun.py``: the same
+    launcher, which checks Horovod's build through its PyTorch extension before its TensorFlow one."""
+    if cmd and os.fspath(cmd[0]) == os.path.join(os.path.dirname(sys.executable), "horovodrun"):
+        return [sys.executable, HOROVODRUN, *cmd[1:]]
+    return list(cmd)
+
+
 def split_by_rank(output):
     """``{rank: text}`` from horovodrun's ``[rank]<stdout>:`` prefixed output (rank -1: unprefixed)."""
     ranks = {}
@@ -57,12 +67,13 @@ def run(args, np=2, controller="gloo", timeout=300, env=None, cwd=None, check=Tr
 
 
 def run_command(cmd, timeout=300, env=None, cwd=None, check=True, threads=1):
-    """:func:`run` for a ``horovodrun`` argv built by the caller (elastic options, say)."""
+    """:func:`run` for a ``horovodrun`` argv built by the caller (elastic options, say), started
+    through :func:`sooner_launcher`."""
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads must be an int >= 1, got {threads!r}")
-    cmd = [os.fspath(a) for a in cmd]
+    cmd = sooner_launcher([os.fspath(a) for a in cmd])
     full_env = dict(os.environ)
     full_env.update({
         "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),

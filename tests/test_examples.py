@@ -70,9 +70,10 @@ def other_arguments_common(example, root):
 
 
 for example in ["pytorch_scalecom.py", "tensorflow_scalecom.py"]:
+    # (its progress bar read by test_progress_bar_on_rank_0: a run of its own would train once more)
     add_run(f"ex_{JOB[example]}_np2", f"ex_{JOB[example]}_dense_first", os.path.join(ROOT, "examples", example),
-            lambda root, example=example: [*other_arguments_common(example, root), "--epochs", "1"],
-            ["test_resume_with_other_optimizer_arguments_is_refused"], timeout=600)
+            lambda root, example=example: [*other_arguments_common(example, root), "--epochs", "1", "--progress"],
+            ["test_resume_with_other_optimizer_arguments_is_refused", "test_progress_bar_on_rank_0"], timeout=600)
     add_run(f"ex_{JOB[example]}_np2_c", f"ex_{JOB[example]}_dense_other", os.path.join(ROOT, "examples", example),
             lambda root, example=example: [*other_arguments_common(example, root), "--epochs", "2", "--resume",
                                            "--lr", "0.1", "--momentum", "0.5"],
@@ -132,14 +133,9 @@ def test_checkpoint_records_what_scales_the_learning_rate(monkeypatch):
         check_trained_with("dense", trained_with(args, 2), "ckpt")
 
 
-for example in ["pytorch_scalecom.py", "tensorflow_scalecom.py"]:
-    add_run(f"ex_{JOB[example]}_np2", f"ex_{JOB[example]}_progress", os.path.join(ROOT, "examples", example),
-            ["--epochs", "1", "--progress"], ["test_progress_bar_on_rank_0"], timeout=600)
-
-
 @pytest.mark.parametrize("example", ["pytorch_scalecom.py", "tensorflow_scalecom.py"])
 def test_progress_bar_on_rank_0(example, horovod_jobs):
-    output = horovod_jobs(f"ex_{JOB[example]}_np2").output_of(f"ex_{JOB[example]}_progress")
+    output = horovod_jobs(f"ex_{JOB[example]}_np2").output_of(f"ex_{JOB[example]}_dense_first")
     # tqdm redraws the bar every 0.1 s or so; horovodrun prints each redraw as a line of rank 0's
     assert re.search(r"\[0\]<stdout>:epoch 1: +\d+%\|.*\| \d+/\d+ \[", output), output[-2000:]
     assert "[1]<stdout>:epoch 1:" not in output

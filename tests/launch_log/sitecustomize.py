@@ -12,7 +12,8 @@ if _LOG and not getattr(subprocess.Popen, "_launch_logged", False):
 
     def _logged_init(self, args, *rest, **kwargs):
         argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
-        if argv and os.path.basename(os.fspath(argv[0])) == "horovodrun":
+        names = [os.path.basename(os.fspath(a)) for a in argv[:2]]
+        if names[:1] == ["horovodrun"] or names[1:] == ["horovodrun.py"]:  # (devtools/horovodrun.py: the same)
             test = os.environ.get("PYTEST_CURRENT_TEST", "-").rsplit(" ", 1)[0]
             with open(_LOG, "a") as log:
                 log.write(f"{time.strftime('%H:%M:%S')}\t{test}\t{' '.join(map(str, argv[:8]))}\n")

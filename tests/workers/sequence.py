@@ -49,6 +49,7 @@ for part, script, arguments, out_dir, seconds, raises in plan:
     print(f"[horovod job] run {part}: {os.path.basename(script)} {' '.join(argv)}", flush=True)
     open(os.path.join(out_dir, f"started.rank{RANK}"), "w").close()
     faulthandler.dump_traceback_later(seconds, exit=True)  # a hang ends the job, with every stack
+    lingering.folder = out_dir  # (a failing run's ranks mark there that they have printed their error)
     sys.argv = [script, *argv]
     sys.path.insert(0, os.path.dirname(script))  # (as python SCRIPT puts its folder first)
     streams = sys.stdout, sys.stderr
