@@ -852,6 +852,45 @@ def test_a_misspelt_selection_is_refused_at_every_size():
             clt_k.select_top_k(tf.zeros([numel]), k, "threshhold")
 
 
+def test_the_step_equations_match_numpy_bit_for_bit_and_threshold_indices_ascend():
+    """TensorFlow's clt_k against NumPy, exactly: the sampled threshold finds the exact top-k set, in
+    ascending order; take, filter_memory (fp32 and fp64 memories, values sent in fp16 or not) and
+    scatter_dense (a -0.0 stays -0.0) give NumPy's bits."""
+    tf = pytest.importorskip("tensorflow")
+    from hvd_scalecom.tensorflow import clt_k
+    rng = np.random.default_rng(3)
+    numel, k = 1 << 17, 1311  # (the sampled path: numel >= 65,536 and k <= numel / 16)
+    p = rng.standard_normal(numel).astype(np.float32)
+    expected = np.sort(np.argsort(-np.abs(p), kind="stable")[:k])
+    for selection in ("threshold", "exact"):
+        got = clt_k.select_top_k(tf.constant(p), k, selection).numpy()
+        np.testing.assert_array_equal(np.sort(got), expected, err_msg=selection)
+    np.testing.assert_array_equal(clt_k.select_top_k(tf.constant(p), k, "threshold").numpy(), expected)
+    for memory_dtype, sent, beta in [(np.float32, np.float32, 0.1), (np.float32, np.float16, 0.3),
+                                     (np.float64, np.float64, 1.0 / 3)]:
+        m0 = (rng.standard_normal(numel) * 10.0).astype(memory_dtype)
+        g = rng.standard_normal(numel).astype(np.float32)
+        memory = tf.Variable(m0)
+        indices = tf.constant(expected.astype(np.int32))
+        at, values = clt_k.take(memory, tf.constant(g), indices)
+        np.testing.assert_array_equal(at.numpy(), m0[expected])
+        np.testing.assert_array_equal(values.numpy(), m0[expected] + g[expected].astype(memory_dtype))
+
+        tf.function(lambda: [clt_k.filter_memory(memory, tf.constant(g), indices, at, values, beta,
+                                                 tf.as_dtype(sent)), None][1], autograph=False)()  # (traced)
+        want = m0 + memory_dtype(beta) * g.astype(memory_dtype)
+        kept = memory_dtype(1.0 - beta) * m0[expected]
+        if sent != memory_dtype:
+            v = values.numpy()
+            kept = kept + memory_dtype(beta) * (v - v.astype(sent).astype(memory_dtype))
+        want[expected] = kept
+        np.testing.assert_array_equal(memory.numpy(), want, err_msg=f"{memory_dtype.__name__}, {sent.__name__}")
+    values = np.array([1.5, -0.0, np.nan], np.float32)
+    dense = clt_k.scatter_dense(tf.constant(values), tf.constant([3, 7, 11]), (3, 4), tf.float32).numpy()
+    assert dense.shape == (3, 4) and np.count_nonzero(dense) == 2 and dense[0, 3] == 1.5
+    assert np.isnan(dense[2, 3]) and dense[1, 3] == 0 and np.signbit(dense[1, 3])
+
+
 def test_bad_arguments_name_the_argument(tf_modules):
     tf, ScaleCom = tf_modules
     ok = [tf.Variable(tf.zeros([40, 30])), tf.Variable(tf.zeros([5]))]

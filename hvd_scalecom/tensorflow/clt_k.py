@@ -41,7 +41,9 @@ def selection_source(memory, grad, finite):
 
 
 def select_top_k(p, k, selection="exact", index_dtype=tf.int32):
-    """Step 2: flat indices (``index_dtype``, shape ``[k]``) of the ``k`` largest ``|p|``, unordered.
+    """Step 2: flat indices (``index_dtype``, shape ``[k]``) of the ``k`` largest ``|p|``: ascending
+    where "threshold" samples, so that the gathers and scatters at them walk memory forward; else
+    unordered.
 
     ``"threshold"`` finds the same set as ``"exact"`` (ties aside) by the rule of
     :mod:`hvd_scalecom.selection_rule`: the threshold is a sampled magnitude a little below the k-th
@@ -67,7 +69,12 @@ def select_top_k(p, k, selection="exact", index_dtype=tf.int32):
 
     def among_candidates():
         best = tf.math.top_k(tf.gather(magnitude, candidates), k, sorted=False, index_type=index_dtype)
-        return tf.gather(candidates, best.indices)
+        # In ascending order (candidates are; a mask over them restores it): later gathers and scatters
+        # of the k entries then walk memory forward instead of at random.
+        chosen = tf.raw_ops.SparseToDense(sparse_indices=best.indices,
+                                          output_shape=tf.shape(candidates, out_type=index_dtype),
+                                          sparse_values=True, default_value=False, validate_indices=False)
+        return tf.gather(candidates, tf.reshape(tf.where(chosen), [-1]))
 
     too_few = tf.logical_or(tf.size(candidates) < k, tf.logical_not(threshold > 0))
     indices = tf.cond(too_few, exact, among_candidates)
@@ -75,8 +82,11 @@ def select_top_k(p, k, selection="exact", index_dtype=tf.int32):
 
 
 def take(memory, grad, indices):
-    """Step 3 without a dense pass: ``(m[I], p[I])`` from k-sized gathers, in the memory's dtype."""
-    memory_at_indices = tf.gather(memory, indices)
+    """Step 3 without a dense pass: ``(m[I], p[I])`` from k-sized gathers, in the memory's dtype.
+
+    A memory variable is read densely first (no copy): a gather from the variable itself would put it
+    in TensorFlow's copy-on-read mode, where every later dense read copies it whole."""
+    memory_at_indices = tf.gather(tf.convert_to_tensor(memory), indices)
     g = tf.cast(tf.reshape(grad, [-1]), memory.dtype)
     return memory_at_indices, memory_at_indices + tf.gather(g, indices)
 
@@ -88,19 +98,28 @@ def filter_memory(memory, grad, indices, memory_at_indices, values, beta, sent_d
     ``(1 - beta) m + beta (p - v)`` on I: one dense pass (``m += beta g``) plus a k-sized scatter;
     ``p`` is never materialised. ``p - v`` is zero unless the values travel in a narrower dtype
     (``sent_dtype``, e.g. fp16), whose rounding error then stays in the memory. Returns the last op.
+
+    The dense pass is one op (``m - (-beta) g``: the bits of ``m + beta g``). The k-sized scatter puts
+    the variable in TensorFlow's copy-on-read mode, where every dense read would copy it whole; the
+    update ends by turning that off again.
     """
     g = tf.cast(tf.reshape(grad, [-1]), memory.dtype)
-    memory.assign_add(beta * g)
     kept = (1.0 - beta) * memory_at_indices
     sent_dtype = tf.as_dtype(sent_dtype)
     if sent_dtype != values.dtype:
         kept = kept + beta * (values - tf.cast(tf.cast(values, sent_dtype), values.dtype))
-    return memory.scatter_update(tf.IndexedSlices(kept, indices))
+    tf.raw_ops.ResourceApplyGradientDescent(var=memory.handle, alpha=tf.constant(-beta, memory.dtype), delta=g)
+    updated = memory.scatter_update(tf.IndexedSlices(kept, indices))
+    with tf.control_dependencies([updated]):
+        return tf.raw_ops.DisableCopyOnRead(resource=memory.handle)
 
 
 def scatter_dense(values, indices, shape, dtype):
-    """Step 5: a tensor of zeros of ``shape`` holding ``values`` at the flat ``indices``."""
+    """Step 5: a tensor of zeros of ``shape`` holding ``values`` at the flat ``indices`` (distinct, as
+    a top-k's are; ``SparseToDense``, which checks their range, writes them several times faster
+    than ``scatter_nd``)."""
     numel = math.prod(shape)
-    flat = tf.scatter_nd(tf.expand_dims(indices, 1), tf.cast(values, dtype),
-                         tf.constant([numel], dtype=indices.dtype))
+    flat = tf.raw_ops.SparseToDense(sparse_indices=indices, output_shape=tf.constant([numel], indices.dtype),
+                                    sparse_values=tf.cast(values, dtype), default_value=tf.zeros([], dtype),
+                                    validate_indices=False)
     return tf.reshape(flat, shape)
