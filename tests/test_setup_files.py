@@ -46,10 +46,11 @@ def test_makefile_and_ci_use_the_installer():
     assert re.search(r"^demo: install$", makefile, re.M)
     # make test lints first (ruff, installed by the installer), then runs pytest
     assert re.search(r"^lint: install\n\t\$\(VENV\)/bin/ruff check \.$", makefile, re.M)
-    # make test runs every test: the multiprocess tier, and beside it the others
+    # make test runs every test: the tests that start no processes, and every stream of the others
     recipe = re.search(r"^test: lint\n((?:\t.*\n)+)", makefile, re.M).group(1)
     assert '$(PY) -m pytest -q -m "not multiprocess" tests' in recipe
-    assert "$(PY) -m pytest -q -m multiprocess tests" in recipe
+    from conftest import STREAMS
+    assert re.findall(r"-m multiprocess --stream (\w+) tests", recipe) == ["torch", "rest", "links"] == list(STREAMS)
     ci = [line for line in read(".ci", "run").splitlines() if line and not line.startswith("#")]
     assert ci[-1] == "make test"
 
