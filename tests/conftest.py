@@ -72,10 +72,10 @@ MULTIPROCESS_TESTS = {
 LINK_MODULES = ("test_benchmarks_links_smoke.py", "test_benchmarks_perf_smoke.py", "test_benchmarks_ddp_smoke.py")
 
 # `make test` runs the multi-process tests in streams (``--stream``), each its own pytest process: "torch"
-# and "rest" side by side, then "links" (the tests of LINK_MODULES that time shaped links) alone. A shared job of tests/jobs.py runs once per
-# process, so every test that reads one is in the same stream: "torch" holds the modules of the PyTorch
-# jobs (and test_horovod_smoke's PyTorch cases), "rest" the TensorFlow jobs, the examples' jobs and the
-# benchmarks' smoke tests.
+# and "rest" side by side, then "links" (the tests of LINK_MODULES that time shaped links) alone. A
+# shared job of tests/jobs.py runs once per process, so every test that reads one is in the same stream:
+# "torch" holds the modules of the PyTorch jobs (and test_horovod_smoke's PyTorch cases), "rest" the
+# TensorFlow jobs, the examples' jobs and the benchmarks' smoke tests.
 TORCH_STREAM = {"test_ddp.py", "test_native.py", "test_sim_horovod.py", "test_timeline_launch.py",
                 "test_torch_bad_input.py", "test_torch_elastic.py", "test_torch_health.py", "test_torch_qsparse.py",
                 "test_torch_scalecom.py", "test_torch_scalecom_nohang.py", "test_torch_sketched_sgd.py",
@@ -95,7 +95,8 @@ def stream_of(item):
     name = item.path.name
     if name in LINK_MODULES and getattr(item, "originalname", item.name) not in UNTIMED_LINK_MODULE_TESTS:
         return "links"
-    if name in TORCH_STREAM or name in LINK_MODULES or name == "test_horovod_smoke.py" and item.callspec.params["framework"] == "torch":
+    if name in TORCH_STREAM or name in LINK_MODULES or \
+            name == "test_horovod_smoke.py" and item.callspec.params["framework"] == "torch":
         return "torch"
     return "rest"
 
