@@ -101,6 +101,22 @@ def scalecom_reference(raw_grads, names, size, ratio, beta, warmup_steps, min_nu
     return applied, memories
 
 
+def assert_applied_steps(results, applied, names, first=0, rtol=2e-5, atol=1e-6, skip=()):
+    """Each rank's ``applied/<first + t>/<name>`` (the workers' records) equals the reference's step ``t``
+    of ``applied`` within ``rtol``/``atol``, with exactly its non-zero entries (k of them on a compressed
+    step), for every step but the ``(t, name)`` pairs of ``skip``."""
+    for t in range(len(applied)):
+        for n in names:
+            if (t, n) in skip:
+                continue
+            for rank, r in enumerate(results):
+                got = r[f"applied/{first + t}/{n}"]
+                np.testing.assert_allclose(got, applied[t][n], rtol=rtol, atol=atol,
+                                           err_msg=f"step {first + t}, {n}, rank {rank}")
+                np.testing.assert_array_equal(got.reshape(-1) != 0, applied[t][n].reshape(-1) != 0,
+                                              err_msg=f"step {first + t}, {n}, rank {rank}: non-zeros")
+
+
 def _check(P, chosen, k, name, t, state, fallback, min_captured, patience, health_log):
     """One check of the health check: its measures, then the fallback's streaks."""
     if not np.isfinite(P).all():

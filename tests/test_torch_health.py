@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from jobs import add_run
-from reference import scalecom_reference
+from reference import assert_applied_steps, scalecom_reference
 from workers.states import same
 
 from hvd_scalecom.torch import ScaleCom
@@ -86,14 +86,7 @@ def reference(grads, opts, size, health=True):
 
 
 def check_steps(results, applied, memories, first=0, rtol=2e-5, atol=1e-6):
-    for t in range(len(applied)):
-        for n in NAMES:
-            for rank, r in enumerate(results):
-                got = r[f"applied/{first + t}/{n}"]
-                np.testing.assert_allclose(got, applied[t][n], rtol=rtol, atol=atol,
-                                           err_msg=f"step {first + t}, {n}, rank {rank}")
-                np.testing.assert_array_equal(got.reshape(-1) != 0, applied[t][n].reshape(-1) != 0,
-                                              err_msg=f"step {first + t}, {n}, rank {rank}: non-zeros")
+    assert_applied_steps(results, applied, NAMES, first, rtol, atol)
     for rank, r in enumerate(results):
         for n in K:
             np.testing.assert_allclose(r[f"memory/{n}"], memories[rank][n], rtol=rtol, atol=atol,
